@@ -1,0 +1,121 @@
+"""tpu_helpers.data on the shipped data: shapes, dtypes, splits, loaders (no XLA device)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tpu_helpers import data as D
+
+
+def test_data_dir_is_repo_data_and_env_override(monkeypatch, tmp_path: Path, repo: Path):
+    monkeypatch.delenv("TPU_NB_DATA", raising=False)
+    assert D.data_dir() == repo / "data"
+    monkeypatch.setenv("TPU_NB_DATA", str(tmp_path))
+    assert D.data_dir() == tmp_path
+    monkeypatch.setenv("TPU_NB_DATA", str(tmp_path / "nope"))
+    with pytest.raises(D.DataError, match="nope"):
+        D.data_dir()
+
+
+def test_shipped_files_and_readme(repo: Path):
+    d = repo / "data"
+    assert len(list((d / "digits" / "images").glob("*.png"))) == 1797
+    readme = (d / "README.md").read_text()
+    assert "CC BY 4.0" in readme and "scikit-learn" in readme
+    assert (d / "make_data.py").is_file() and (d / "breast_cancer.csv").is_file()
+
+
+def test_load_digits_contract():
+    x, y = D.load_digits()
+    assert x.shape == (1797, 1, 8, 8) and x.dtype == np.float32
+    assert y.shape == (1797,) and y.dtype == np.int64
+    assert set(np.unique(y)) == set(range(10))
+    xtr, ytr = D.load_digits("train")
+    xte, yte = D.load_digits("test")
+    assert len(xtr) == 1437 and len(xte) == 360
+    # normalised with the training split's statistics
+    assert abs(float(xtr.mean())) < 0.01 and abs(float(xtr.std()) - 1) < 0.01
+    # stratified: every class in both splits, in about the same proportion
+    assert np.allclose(np.bincount(ytr) / len(ytr), np.bincount(yte) / len(yte), atol=0.01)
+    # each call returns a fresh, writable array (the cache is not exposed)
+    x[0] = 123.0
+    assert D.load_digits()[0][0, 0, 0, 0] != 123.0
+    with pytest.raises(D.DataError, match="split"):
+        D.load_digits("validation")
+
+
+def test_load_digits_matches_image_folder_dataset(repo: Path):
+    ds = D.ImageFolderDataset(repo / "data" / "digits", "test")
+    x, y = D.load_digits("test")
+    assert len(ds) == 360
+    xi, yi = ds[17]
+    assert xi.shape == (1, 8, 8) and xi.dtype == torch.float32 and yi.dtype == torch.int64
+    assert torch.equal(xi, torch.from_numpy(x[17])) and int(yi) == int(y[17])
+
+
+def test_breast_cancer_csv():
+    f, y = D.load_tabular_csv(D.data_dir() / "breast_cancer.csv", "target", num_classes=2)
+    assert f.shape == (569, 30) and f.dtype == np.float32 and y.dtype == np.int64
+    ftr, _ = D.load_tabular_csv(D.data_dir() / "breast_cancer.csv", "target", split="train")
+    fte, _ = D.load_tabular_csv(D.data_dir() / "breast_cancer.csv", "target", split="test")
+    assert len(ftr) + len(fte) == 569 and 100 <= len(fte) <= 120
+
+
+def test_array_dataset_items_and_dtypes():
+    ds = D.ArrayDataset(np.arange(12, dtype=np.float64).reshape(6, 2), [0, 1, 0, 1, 0, 1])
+    x, y = ds[2]
+    assert x.dtype == torch.float32 and y.dtype == torch.int64
+    assert x.tolist() == [4.0, 5.0] and int(y) == 0
+    assert len(ds) == 6
+
+
+def test_train_loader_fixed_shapes_sharding_and_set_epoch():
+    x, y = D.load_digits("train")
+    ds = D.ArrayDataset(x, y, 10)
+    seen = []
+    for rank in range(4):
+        loader = D.make_train_loader(ds, 64, world_size=4, rank=rank, seed=1)
+        assert len(loader) == D.train_steps_per_epoch(1437, 64, 4) == 5
+        batches = list(loader)
+        assert all(b[0].shape == (64, 1, 8, 8) and b[1].shape == (64,) for b in batches)
+        first = list(loader.sampler)
+        loader.sampler.set_epoch(1)
+        assert list(loader.sampler) != first  # a new shuffle each epoch
+        loader.sampler.set_epoch(0)
+        seen += first
+    # the sampler gives ceil(1437/4) = 360 per replica: 3 repeats, every index present
+    assert len(seen) == 1440 and set(seen) == set(range(1437))
+
+
+def test_train_loader_too_small_is_clear_and_eval_still_works():
+    ds = D.ArrayDataset(np.zeros((6, 3), np.float32), np.arange(6) % 2)
+    with pytest.raises(D.DataError, match=r"6 samples over 8 replica\(s\).*batch of 2"):
+        D.make_train_loader(ds, 2, world_size=8, rank=0)
+    rows = []
+    for rank in range(8):
+        batches = list(D.make_eval_loader(ds, 2, world_size=8, rank=rank))
+        assert len(batches) == 1
+        xb, yb, ib, mb = batches[0]
+        assert xb.shape == (2, 3) and mb.dtype == torch.bool and ib.dtype == torch.int64
+        rows += ib[mb].tolist()
+        assert (ib[~mb] == -1).all()
+    assert sorted(rows) == list(range(6))
+
+
+def test_eval_shard_indices_small_example():
+    # 10 rows, batch 2, 3 replicas: padded to 12, dealt round-robin
+    got = [D.eval_shard_indices(10, 2, 3, r).tolist() for r in range(3)]
+    assert got == [[0, 3, 6, 9], [1, 4, 7, -1], [2, 5, 8, -1]]
+
+
+def test_importing_data_does_not_touch_xla():
+    import subprocess
+
+    code = ("import sys, tpu_helpers.data as d; d.load_digits('test'); "
+            "assert 'torch_xla' not in sys.modules, 'torch_xla imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)

@@ -1,0 +1,493 @@
+"""Datasets that feed a TPU well: checked on the host, fixed shapes, sharded exactly once.
+
+Taught in ``notebooks/01_dataset_setup.ipynb``; ``notebooks/02_parallel_loader.ipynb``
+wraps these loaders in ``MpDeviceLoader``; notebooks 03-06 and the benchmarks load the
+shipped digits with :func:`load_digits`.
+
+* Data: :func:`data_dir` (the repo's ``data/`` or ``$TPU_NB_DATA``), :func:`load_digits`
+  (the shipped 8x8 digits as arrays), :func:`load_tabular_csv` (a CSV read with pandas),
+  :class:`ImageFolderDataset` (PNG/JPEG files decoded with PIL, the seed article's
+  ``CustomImageDataset`` done right), :class:`ArrayDataset` (in-memory numpy storage that
+  forked processes share instead of copying).
+* Fixed shapes: :func:`make_train_loader` (``DistributedSampler`` + ``drop_last``) and
+  :func:`make_eval_loader` (padding rows with ``index`` and ``mask``, planned by the pure
+  :func:`eval_shard_indices`), so XLA compiles one graph and every replica runs the same
+  number of steps.
+
+Every check raises :class:`DataError` (a ``ValueError``) naming the file, line or index,
+on the host, before anything is sent to the XLA device. Importing this module does not
+touch the XLA device; only the loader functions called without ``world_size``/``rank``
+ask ``torch_xla.runtime`` for them.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+#: Mean and standard deviation of ``png / 255`` over the digits training split.
+DIGITS_MEAN = 0.3054
+DIGITS_STD = 0.3760
+NUM_DIGIT_CLASSES = 10
+SPLITS = ("train", "test")
+
+
+class DataError(ValueError):
+    """Bad input data, explained in one sentence that names the file, line or index."""
+
+
+# --------------------------------------------------------------------------- where
+
+
+def data_dir() -> Path:
+    """The data folder: ``$TPU_NB_DATA`` if set, else the repository's ``data/``."""
+    override = os.environ.get("TPU_NB_DATA")
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_dir():
+            raise DataError(f"TPU_NB_DATA={override!r} is not a directory.")
+        return path
+    return Path(__file__).resolve().parent.parent / "data"
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_finite(features: np.ndarray, source: str = "features") -> None:
+    """Raise :class:`DataError` naming the first row with a NaN or infinite value."""
+    if features.dtype.kind not in "fc":
+        return
+    bad = ~np.isfinite(features.reshape(len(features), -1)).all(axis=1)
+    if bad.any():
+        rows = np.flatnonzero(bad)
+        raise DataError(
+            f"{source}: row {rows[0]} has NaN or infinite values "
+            f"({len(rows)} bad row(s), first ones: {rows[:5].tolist()})."
+        )
+
+
+def check_labels(labels: np.ndarray, num_classes: int | None, source: str = "labels") -> None:
+    """Raise :class:`DataError` naming the first label that is not an integer in range."""
+    if labels.ndim != 1:
+        raise DataError(f"{source}: labels must be one-dimensional, got shape {labels.shape}.")
+    if labels.dtype.kind not in "iu":
+        raise DataError(f"{source}: labels must be integers, got dtype {labels.dtype}.")
+    low = 0
+    bad = labels < low
+    if num_classes is not None:
+        bad |= labels >= num_classes
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        rng = f"0..{num_classes - 1}" if num_classes is not None else ">= 0"
+        raise DataError(f"{source}: label {int(labels[i])} at index {i} is out of range {rng}.")
+
+
+def _stack_rows(rows: Any, what: str) -> np.ndarray:
+    """np.asarray that names the first ragged row instead of numpy's generic message."""
+    if isinstance(rows, np.ndarray):
+        return rows
+    if isinstance(rows, torch.Tensor):
+        return rows.detach().cpu().numpy()
+    if isinstance(rows, Sequence) and not isinstance(rows, str | bytes):
+        if len(rows) and all(isinstance(r, Sequence | np.ndarray | torch.Tensor) for r in rows):
+            first = np.shape(rows[0])
+            for i, r in enumerate(rows):
+                try:
+                    shape = np.shape(r)
+                except ValueError:  # the row itself is ragged
+                    shape = None
+                if shape != first:
+                    raise DataError(
+                        f"{what}: row {i} has shape {shape}, row 0 has {first} "
+                        "(ragged rows; every sample must have the same shape)."
+                    )
+    return np.asarray(rows)
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+class ArrayDataset(Dataset):
+    """In-memory samples in one numpy array per field: ``(x, y)`` tensors per index.
+
+    Storage stays numpy (one buffer, no per-sample Python objects), so processes forked
+    after building it share the pages instead of copying them (notebook 01 measures it).
+    ``x`` is returned as a tensor view of that buffer; the DataLoader's collate copies
+    it into the batch. Checks on construction: same length, not empty, same shape for
+    every row, finite features, integer labels (in ``0..num_classes-1`` if given).
+    """
+
+    def __init__(self, images: Any, labels: Any, num_classes: int | None = None) -> None:
+        x = _stack_rows(images, "images")
+        y = _stack_rows(labels, "labels")
+        if len(x) == 0:
+            raise DataError("ArrayDataset: the dataset is empty (0 samples).")
+        if len(x) != len(y):
+            raise DataError(f"ArrayDataset: {len(x)} images but {len(y)} labels.")
+        if x.dtype.kind == "f" and x.dtype != np.float32:
+            x = x.astype(np.float32)
+        if y.dtype.kind in "iu" and y.dtype != np.int64:
+            y = y.astype(np.int64)
+        check_finite(x, "ArrayDataset images")
+        check_labels(y, num_classes, "ArrayDataset labels")
+        self.images = x
+        self.labels = y
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(self.images[index]), torch.tensor(self.labels[index])
+
+
+# --------------------------------------------------------------------------- files
+
+
+def decode_image(path: str | Path, size: tuple[int, int] | None = (8, 8),
+                 mode: str | None = "L") -> np.ndarray:
+    """Decode one image file to a ``uint8`` array ``[H, W]`` (mode L) or ``[H, W, C]``.
+
+    Raises :class:`DataError` naming the file when it is missing, not an image,
+    truncated or corrupt, or has another ``(height, width)`` or mode than asked.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found.")
+    try:
+        with Image.open(path) as im:
+            im.load()  # decode fully now: truncation shows here, not later in a worker
+            got_mode, (w, h) = im.mode, im.size
+            arr = np.asarray(im)
+    except UnidentifiedImageError as exc:
+        raise DataError(f"{path}: not a readable image ({exc}).") from exc
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise DataError(f"{path}: corrupt or truncated image ({exc}).") from exc
+    if mode is not None and got_mode != mode:
+        raise DataError(f"{path}: image mode {got_mode!r}, expected {mode!r}.")
+    if size is not None and (h, w) != tuple(size):
+        raise DataError(f"{path}: image size {h}x{w} (HxW), expected {size[0]}x{size[1]}.")
+    return arr
+
+
+def read_labels_csv(path: str | Path, num_classes: int | None = None,
+                    split: str | None = None) -> Any:
+    """Read a ``file,label[,split]`` CSV with pandas; check it; optionally keep one split.
+
+    Returns a DataFrame indexed 0..N-1 (the dataset index) with the CSV line number in
+    column ``line``. Raises :class:`DataError` naming the file and line.
+    """
+    import pandas as pd
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: labels file not found.")
+    _check_not_ragged(path)
+    table = pd.read_csv(path, dtype={"file": str, "split": str})
+    for col in ("file", "label"):
+        if col not in table.columns:
+            raise DataError(f"{path}: no {col!r} column (columns: {list(table.columns)}).")
+    table["line"] = np.arange(len(table)) + 2  # header is line 1
+    if table["label"].isna().any():
+        line = int(table.loc[table["label"].isna(), "line"].iloc[0])
+        raise DataError(f"{path}: line {line} has no label.")
+    if table["label"].dtype.kind not in "iu":
+        raise DataError(f"{path}: labels must be integers, got {table['label'].dtype}.")
+    if num_classes is not None:
+        bad = (table["label"] < 0) | (table["label"] >= num_classes)
+        if bad.any():
+            row = table[bad].iloc[0]
+            raise DataError(f"{path}: line {int(row['line'])} ({row['file']}): label "
+                            f"{int(row['label'])} is out of range 0..{num_classes - 1}.")
+    if split is not None:
+        if split not in SPLITS:
+            raise DataError(f"split must be one of {SPLITS} or None, got {split!r}.")
+        if "split" not in table.columns:
+            raise DataError(f"{path}: no 'split' column, cannot select split {split!r}.")
+        table = table[table["split"] == split]
+    if len(table) == 0:
+        raise DataError(f"{path}: the dataset is empty (0 rows"
+                        + (f" in split {split!r})." if split else ")."))
+    return table.reset_index(drop=True)
+
+
+def _check_not_ragged(path: Path) -> None:
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            raise DataError(f"{path}: the file is empty (no header).")
+        for line, row in enumerate(reader, start=2):
+            if len(row) != len(header):
+                raise DataError(f"{path}: line {line} has {len(row)} fields, the header has "
+                                f"{len(header)} (ragged rows).")
+
+
+class ImageFolderDataset(Dataset):
+    """Images named by a ``file,label,split`` CSV, decoded with PIL into fixed-size tensors.
+
+    The seed article's ``CustomImageDataset`` done right: every file is decoded and
+    checked once on construction (``verify=True``), so a missing, corrupt, truncated,
+    wrong-size or wrong-mode file, or a label out of range, is a :class:`DataError`
+    naming the file before any training starts, not a crash in a DataLoader worker
+    mid-epoch or a recompile from an odd shape. Items are ``(x, y)`` with ``x`` float32
+    ``[C, H, W]`` normalised as ``(pixel / 255 - mean) / std`` and ``y`` an int64 scalar.
+    """
+
+    def __init__(self, root: str | Path, split: str | None = None, *,
+                 labels_csv: str = "labels.csv", size: tuple[int, int] = (8, 8),
+                 mode: str = "L", num_classes: int | None = NUM_DIGIT_CLASSES,
+                 mean: float = DIGITS_MEAN, std: float = DIGITS_STD,
+                 verify: bool = True) -> None:
+        self.root = Path(root)
+        table = read_labels_csv(self.root / labels_csv, num_classes, split)
+        self.files = [self.root / f for f in table["file"]]
+        self.labels = table["label"].to_numpy(np.int64)
+        self.size, self.mode, self.mean, self.std = tuple(size), mode, mean, std
+        for f, line in zip(self.files, table["line"], strict=True):
+            if not f.is_file():
+                raise DataError(f"{f}: file not found (named on line {line} of "
+                                f"{self.root / labels_csv}).")
+        if verify:
+            for f in self.files:
+                decode_image(f, self.size, self.mode)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def _to_tensor(self, arr: np.ndarray) -> np.ndarray:
+        x = arr.astype(np.float32) / 255.0
+        x = (x - self.mean) / self.std
+        return x[None] if x.ndim == 2 else np.ascontiguousarray(x.transpose(2, 0, 1))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        arr = decode_image(self.files[index], self.size, self.mode)
+        return torch.from_numpy(self._to_tensor(arr)), torch.tensor(self.labels[index])
+
+    def to_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Decode everything once: ``(images float32 [N, C, H, W], labels int64 [N])``."""
+        images = np.stack([self._to_tensor(decode_image(f, self.size, self.mode))
+                           for f in self.files])
+        return images.astype(np.float32, copy=False), self.labels.copy()
+
+
+@functools.lru_cache(maxsize=8)
+def _digits_arrays(folder: str, stamp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    import pandas as pd
+
+    ds = ImageFolderDataset(folder, verify=False)  # to_arrays decodes (and checks) each file
+    images, labels = ds.to_arrays()
+    split = pd.read_csv(Path(folder) / "labels.csv", usecols=["split"])["split"].to_numpy()
+    for a in (images, labels):
+        a.setflags(write=False)
+    return images, labels, split
+
+
+def load_digits(split: str | None = None, root: str | Path | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The shipped 8x8 digits: ``images`` float32 ``[N, 1, 8, 8]`` normalised, ``labels``
+    int64 ``[N]``.
+
+    ``split`` is ``"train"`` (1,437), ``"test"`` (360) or ``None`` (all 1,797), from the
+    ``split`` column of ``digits/labels.csv``. ``root`` is the data folder (default
+    :func:`data_dir`). Decoded once per process and cached; each call returns new arrays.
+    """
+    if split is not None and split not in SPLITS:
+        raise DataError(f"split must be one of {SPLITS} or None, got {split!r}.")
+    folder = Path(root if root is not None else data_dir()) / "digits"
+    labels_csv = folder / "labels.csv"
+    if not labels_csv.is_file():
+        raise DataError(f"{labels_csv}: labels file not found (is TPU_NB_DATA right?).")
+    images, labels, splits = _digits_arrays(str(folder.resolve()),
+                                            labels_csv.stat().st_mtime_ns)
+    if split is None:
+        return images.copy(), labels.copy()
+    keep = splits == split
+    if not keep.any():
+        raise DataError(f"{labels_csv}: the dataset is empty (0 rows in split {split!r}).")
+    return images[keep], labels[keep]
+
+
+def load_tabular_csv(path: str | Path, label_column: str = "target", split: str | None = None,
+                     num_classes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A numeric CSV read with pandas: ``(features float32 [N, F], labels int64 [N])``.
+
+    Every column except ``label_column`` and ``split`` is a feature. Raises
+    :class:`DataError` naming the file and line for ragged rows, NaN/inf or missing
+    values, non-numeric features, labels out of range, or an empty (split of the) file.
+    """
+    import pandas as pd
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found.")
+    _check_not_ragged(path)
+    table = pd.read_csv(path)
+    if label_column not in table.columns:
+        raise DataError(f"{path}: no label column {label_column!r}.")
+    table["__line"] = np.arange(len(table)) + 2
+    if split is not None:
+        if "split" not in table.columns:
+            raise DataError(f"{path}: no 'split' column, cannot select split {split!r}.")
+        table = table[table["split"] == split]
+    if len(table) == 0:
+        raise DataError(f"{path}: the dataset is empty (0 rows"
+                        + (f" in split {split!r})." if split else ")."))
+    cols = [c for c in table.columns if c not in (label_column, "split", "__line")]
+    lines = table["__line"].to_numpy()
+    for c in cols:
+        if table[c].dtype.kind not in "iuf":
+            raise DataError(f"{path}: column {c!r} is not numeric (dtype {table[c].dtype}).")
+    features = table[cols].to_numpy(np.float32)
+    bad = ~np.isfinite(features).all(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        col = cols[int(np.flatnonzero(~np.isfinite(features[i]))[0])]
+        raise DataError(f"{path}: line {lines[i]} has a NaN, infinite or missing value in "
+                        f"column {col!r}.")
+    column = table[label_column]
+    if column.dtype.kind not in "iu":
+        values = pd.to_numeric(column, errors="coerce").to_numpy(np.float64)
+        bad = ~np.isfinite(values) | (values != np.round(values))
+        line = lines[int(np.flatnonzero(bad)[0])] if bad.any() else lines[0]
+        raise DataError(f"{path}: line {line}: label column {label_column!r} must hold "
+                        "integers (missing or non-integer value).")
+    labels = column.to_numpy(np.int64)
+    if num_classes is not None:
+        bad = (labels < 0) | (labels >= num_classes)
+    else:
+        bad = labels < 0
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        rng = f"0..{num_classes - 1}" if num_classes is not None else ">= 0"
+        raise DataError(f"{path}: line {lines[i]}: label {labels[i]} is out of range {rng}.")
+    return features, labels
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def _replica(world_size: int | None, rank: int | None) -> tuple[int, int]:
+    if world_size is None or rank is None:
+        import torch_xla.runtime as xr
+
+        world_size = xr.world_size() if world_size is None else world_size
+        rank = xr.global_ordinal() if rank is None else rank
+    if world_size < 1:
+        raise DataError(f"world_size must be >= 1, got {world_size}.")
+    if not 0 <= rank < world_size:
+        raise DataError(f"rank {rank} is not in 0..{world_size - 1}.")
+    return int(world_size), int(rank)
+
+
+def _check_batch(n: int, batch_size: int) -> None:
+    if batch_size < 1:
+        raise DataError(f"batch_size must be >= 1, got {batch_size}.")
+    if n == 0:
+        raise DataError("the dataset is empty (0 samples): nothing to load.")
+
+
+def train_steps_per_epoch(n: int, batch_size: int, world_size: int) -> int:
+    """Full batches each replica runs per epoch under :func:`make_train_loader`."""
+    return math.ceil(n / world_size) // batch_size
+
+
+def make_train_loader(dataset: Dataset, batch_size: int, *, world_size: int | None = None,
+                      rank: int | None = None, seed: int = 0,
+                      num_workers: int = 0) -> DataLoader:
+    """A training DataLoader with one fixed batch shape, sharded across replicas.
+
+    ``DistributedSampler(num_replicas=world_size, rank=rank, shuffle=True, seed=seed)``
+    (defaults ``xr.world_size()`` / ``xr.global_ordinal()``) gives every replica
+    ``ceil(N / world_size)`` indices (repeating a few to make it divide), and
+    ``drop_last=True`` drops the partial last batch, so every step has exactly
+    ``batch_size`` rows and every replica runs the same number of steps. Call
+    ``loader.sampler.set_epoch(epoch)`` each epoch for a new shuffle.
+
+    Raises :class:`DataError` if a replica cannot get one full batch.
+    """
+    ws, rk = _replica(world_size, rank)
+    n = len(dataset)
+    _check_batch(n, batch_size)
+    per_replica = math.ceil(n / ws)
+    if per_replica < batch_size:
+        raise DataError(
+            f"training set too small: {n} samples over {ws} replica(s) gives each "
+            f"{per_replica} sample(s), fewer than one batch of {batch_size}; use "
+            f"batch_size <= {per_replica}, more data, or fewer replicas "
+            "(evaluation still works: make_eval_loader pads and masks)."
+        )
+    sampler = DistributedSampler(dataset, num_replicas=ws, rank=rk, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                      num_workers=num_workers)
+
+
+def eval_shard_indices(n: int, batch_size: int, world_size: int, rank: int) -> np.ndarray:
+    """The dataset indices replica ``rank`` evaluates, in order; ``-1`` marks padding.
+
+    The indices ``0..n-1`` are padded with ``-1`` up to a multiple of
+    ``batch_size * world_size`` and dealt out round-robin (like ``DistributedSampler``
+    with ``shuffle=False``, but padding instead of repeating). So every replica gets the
+    same number of full batches, and each index appears on exactly one replica, once.
+    Pure: no torch_xla, no I/O.
+    """
+    _check_batch(n, batch_size)
+    _replica(world_size, rank)
+    steps = math.ceil(n / (batch_size * world_size))
+    padded = np.full(steps * batch_size * world_size, -1, dtype=np.int64)
+    padded[:n] = np.arange(n, dtype=np.int64)
+    return padded[rank::world_size].copy()
+
+
+class PaddedEvalDataset(Dataset):
+    """Wraps a ``(x, y)`` dataset: item ``i`` is ``(x, y, i, True)``; item ``-1`` is a
+    padding row ``(zeros like x, zeros like y, -1, False)``."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self._padding: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _pad_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._padding is None:
+            x, y = self.dataset[0]
+            self._padding = (torch.zeros_like(torch.as_tensor(x)),
+                             torch.zeros_like(torch.as_tensor(y)))
+        return self._padding
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        if index < 0:
+            x, y = self._pad_row()
+            return x, y, torch.tensor(-1, dtype=torch.int64), torch.tensor(False)
+        x, y = self.dataset[index]
+        return (torch.as_tensor(x), torch.as_tensor(y), torch.tensor(index, dtype=torch.int64),
+                torch.tensor(True))
+
+
+def make_eval_loader(dataset: Dataset, batch_size: int, *, world_size: int | None = None,
+                     rank: int | None = None, num_workers: int = 0) -> DataLoader:
+    """An evaluation DataLoader yielding ``(x, y, index, mask)``, every batch full.
+
+    ``index`` (int64) is each row's dataset index, ``-1`` on padding rows; ``mask``
+    (bool) is True on real rows. Every replica runs the same number of steps and, across
+    replicas, each dataset index is in exactly one unmasked row (see
+    :func:`eval_shard_indices`). Works for any non-empty dataset, even one smaller than
+    a batch per replica. Reduce metrics with the mask; gather predictions with the index.
+    """
+    ws, rk = _replica(world_size, rank)
+    indices = eval_shard_indices(len(dataset), batch_size, ws, rk)
+    return DataLoader(PaddedEvalDataset(dataset), batch_size=batch_size,
+                      sampler=indices.tolist(), shuffle=False, drop_last=False,
+                      num_workers=num_workers)
