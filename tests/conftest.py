@@ -28,7 +28,8 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 30
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
