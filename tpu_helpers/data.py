@@ -197,6 +197,8 @@ def read_labels_csv(path: str | Path, num_classes: int | None = None,
     for col in ("file", "label"):
         if col not in table.columns:
             raise DataError(f"{path}: no {col!r} column (columns: {list(table.columns)}).")
+    if len(table) == 0:
+        raise DataError(f"{path}: the dataset is empty (0 rows).")
     table["line"] = np.arange(len(table)) + 2  # header is line 1
     if table["label"].isna().any():
         line = int(table.loc[table["label"].isna(), "line"].iloc[0])
