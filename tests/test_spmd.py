@@ -1,0 +1,240 @@
+"""tpu_helpers.spmd: mesh shapes, shard placements, sharding summary, sharded checkpoints.
+
+The pure parts run here; everything that needs 4 devices and SPMD runs once in a fresh
+Python (``CPU_NUM_DEVICES=4``; this test process has one device) whose JSON report the
+tests below check against torch_xla's own view of the shards.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_python
+
+from tpu_helpers.spmd import mesh_shapes, resolve_mesh_shape, shard_placements
+
+# --------------------------------------------------------------------------- pure
+
+
+def test_mesh_shapes_lists_every_factorisation():
+    assert mesh_shapes(4, 1) == [(4,)]
+    assert mesh_shapes(4, 2) == [(1, 4), (2, 2), (4, 1)]
+    assert mesh_shapes(8, 2) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert len(mesh_shapes(8, 3)) == 10
+    assert all(a * b * c == 8 for a, b, c in mesh_shapes(8, 3))
+    with pytest.raises(ValueError):
+        mesh_shapes(0, 2)
+
+
+@pytest.mark.parametrize("names, shape, expected", [
+    (("data",), None, (4,)),
+    (("data", "model"), None, (4, 1)),
+    (("fsdp", "model"), (2, 2), (2, 2)),
+    (("fsdp", "model"), (-1, 2), (2, 2)),
+    (("data", "fsdp", "model"), (1, -1, 1), (1, 4, 1)),
+])
+def test_resolve_mesh_shape_good(names, shape, expected):
+    assert resolve_mesh_shape(4, names, shape) == expected
+
+
+@pytest.mark.parametrize("names, shape, words", [
+    (("data", "model"), (2, 4), "needs 8 devices; 4 are available"),
+    (("data", "model"), (4,), "has 1 axes but names"),
+    (("data", "model"), (-1, -1), "at most one -1"),
+    (("data", "model"), (0, 4), "sizes must be >= 1"),
+    (("data", "model"), (-1, 3), "do not divide by 3"),
+    (("data", "data"), (2, 2), "distinct"),
+])
+def test_resolve_mesh_shape_bad_names_the_shapes_that_fit(names, shape, words):
+    with pytest.raises(ValueError) as err:
+        resolve_mesh_shape(4, names, shape)
+    assert words in str(err.value)
+    if "distinct" not in words:
+        assert "(1, 4), (2, 2), (4, 1)" in str(err.value)
+
+
+def _bounds(places):
+    return [(p.device, p.bounds, p.padded_shape) for p in places]
+
+
+def test_shard_placements_tiled_with_replicated_last_dim():
+    places = shard_placements("{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}", (10, 6), 4)
+    assert _bounds(places) == [
+        (0, ((0, 5), (0, 6)), (5, 6)), (1, ((5, 10), (0, 6)), (5, 6)),
+        (2, ((0, 5), (0, 6)), (5, 6)), (3, ((5, 10), (0, 6)), (5, 6)),
+    ]
+
+
+def test_shard_placements_uneven_shards_are_padded():
+    places = shard_placements("{devices=[1,4]0,1,2,3}", (8, 5), 4)
+    assert [p.shape for p in places] == [(8, 2), (8, 2), (8, 1), (8, 0)]
+    assert {p.padded_shape for p in places} == {(8, 2)}
+
+
+def test_shard_placements_iota_forms_and_replicated():
+    assert _bounds(shard_placements("{devices=[4]<=[4]}", (8,), 4)) == [
+        (d, ((2 * d, 2 * d + 2),), (2,)) for d in range(4)]
+    # <=[2,2]T(1,0): tile (i, j) is on device 2*j + i
+    places = shard_placements("{devices=[2,2]<=[2,2]T(1,0)}", (4, 4), 4)
+    assert [(p.device, p.bounds) for p in places] == [
+        (0, ((0, 2), (0, 2))), (1, ((2, 4), (0, 2))), (2, ((0, 2), (2, 4))),
+        (3, ((2, 4), (2, 4)))]
+    for spec in ("", "{replicated}"):
+        assert _bounds(shard_placements(spec, (3, 2), 4)) == [
+            (d, ((0, 3), (0, 2)), (3, 2)) for d in range(4)]
+
+
+@pytest.mark.parametrize("spec, shape, words", [
+    ("{maximal device=0}", (4,), "not tiled or replicated"),
+    ("{devices=[2,2]0,1,2,3}", (4,), "tiles 2 dims"),
+    ("{devices=[4]0,1,2}", (4,), "3 device ids"),
+    ("{devices=[4]0,1,1,3}", (4,), "each of 4 devices once"),
+    ("{devices=[2]0,1}", (4,), "uses 2 devices, not 4"),
+])
+def test_shard_placements_rejects_what_it_cannot_read(spec, shape, words):
+    with pytest.raises(ValueError, match=words):
+        shard_placements(spec, shape, 4)
+
+
+# --------------------------------------------------------------------------- 4 devices
+
+SPMD_SCRIPT = r"""
+import json, os, tempfile
+import matplotlib
+matplotlib.use("Agg")
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
+from torch import nn
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+    SpmdFullyShardedDataParallel as FSDPv2)
+xr.use_spmd()
+from tpu_helpers.spmd import (device_mesh, sharding_summary, plot_shard_layout,
+                              save_sharded_checkpoint, load_sharded_checkpoint)
+
+out = {"devices": xr.global_runtime_device_count()}
+out["mesh_default"] = list(device_mesh(("data", "model")).mesh_shape)
+out["mesh_fsdp"] = list(device_mesh(("fsdp", "model"), (-1, 2)).mesh_shape)
+try:
+    device_mesh(("data", "model"), (4, 4))
+except ValueError as e:
+    out["mesh_bad"] = str(e)
+
+mesh = device_mesh(("data", "model"), (2, 2))
+dev = torch_xla.device()
+ts = {"w": torch.randn(10, 6), "c": torch.randn(8, 8), "e": torch.randn(8, 5), "r": torch.randn(3)}
+ts = {k: v.to(dev) for k, v in ts.items()}
+xs.mark_sharding(ts["w"], mesh, ("model", None))
+xs.mark_sharding(ts["c"], mesh, ("data", "model"))
+xs.mark_sharding(ts["e"], mesh, (None, ("data", "model")))
+df = sharding_summary(ts)
+out["summary"] = df.reset_index().to_dict(orient="records")
+# torch_xla's own view: the device buffers (copied to the host here, which the summary avoids)
+sharded = ["w", "c", "e"]
+shards = torch_xla._XLAC._get_local_shards([ts[k] for k in sharded])
+out["xla_shard_bytes"] = {k: [d.numel() * d.element_size() for d, _ in s]
+                          for k, s in zip(sharded, shards)}
+out["xla_shard_devices"] = {k: [dv for _, dv in s] for k, s in zip(sharded, shards)}
+idx = torch_xla._XLAC._get_local_shard_replica_and_indices([ts[k] for k in sharded])
+out["xla_indices"] = {k: [[[s.start, s.stop] for s in i] for _, i in s]
+                      for k, s in zip(sharded, idx)}
+from tpu_helpers.spmd import shard_placements
+out["our_indices"] = {k: [[list(b) for b in p.bounds] for p in shard_placements(
+    torch_xla._XLAC._get_xla_sharding_spec(ts[k]), ts[k].shape, 4)] for k in sharded}
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 12)
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+fsdp_mesh = device_mesh(("fsdp",))
+torch.manual_seed(0)
+a = FSDPv2(MLP(), mesh=fsdp_mesh)
+fs = sharding_summary(a)
+out["fsdp_fraction"] = float(fs["bytes/device"].sum() / fs["bytes"].sum())
+fig = plot_shard_layout(a)
+out["plot_axes"] = len(fig.axes)
+
+root = tempfile.mkdtemp()
+ck = os.path.join(root, "ck")
+save_sharded_checkpoint(a.state_dict(), ck)
+save_sharded_checkpoint(a.state_dict(), ck)  # overwrite in place
+out["ck_listing"] = sorted(os.listdir(root))
+out["ck_files"] = sorted(os.listdir(ck))
+torch.manual_seed(1)
+b = FSDPv2(MLP(), mesh=fsdp_mesh)
+out["differs_before"] = any(not torch.equal(p.cpu(), q.cpu())
+                            for p, q in zip(a.parameters(), b.parameters()))
+load_sharded_checkpoint(b.state_dict(), ck)
+out["equal_after"] = all(torch.equal(p.cpu(), q.cpu())
+                         for p, q in zip(a.parameters(), b.parameters()))
+spec = torch_xla._XLAC._get_xla_sharding_spec
+out["specs_kept"] = all(spec(p) == spec(q) for p, q in zip(a.parameters(), b.parameters()))
+errors = {}
+for name, fn in [
+    ("missing", lambda: load_sharded_checkpoint(b.state_dict(), os.path.join(root, "nope"))),
+    ("extra_key", lambda: load_sharded_checkpoint({**b.state_dict(), "x": torch.zeros(2)}, ck)),
+    ("shape", lambda: load_sharded_checkpoint({"_orig_module.fc1.bias": torch.zeros(3)}, ck)),
+]:
+    try:
+        fn()
+    except Exception as e:
+        errors[name] = [type(e).__name__, str(e)]
+out["errors"] = errors
+print("JSON" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def spmd_report() -> dict:
+    proc = run_python(SPMD_SCRIPT, env={"CPU_NUM_DEVICES": "4", "TF_CPP_MIN_LOG_LEVEL": "2"})
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))
+    return json.loads(line[4:])
+
+
+def test_device_mesh_on_four_devices(spmd_report):
+    assert spmd_report["devices"] == 4
+    assert spmd_report["mesh_default"] == [4, 1]
+    assert spmd_report["mesh_fsdp"] == [2, 2]
+    assert "needs 16 devices; 4 are available" in spmd_report["mesh_bad"]
+
+
+def test_sharding_summary_bytes_match_the_device_buffers(spmd_report):
+    rows = {r["tensor"]: r for r in spmd_report["summary"]}
+    # w: 10x6 float32 split in 2 along rows, each half on 2 devices
+    assert rows["w"]["bytes"] == 240 and rows["w"]["bytes/device"] == 120
+    assert rows["w"]["copies"] == 2
+    assert rows["c"]["bytes/device"] == 64 and rows["c"]["copies"] == 1
+    # e: 5 columns over 4 devices -> padded to 2 columns each: 8*2*4 bytes per device
+    assert rows["e"]["bytes/device"] == 64
+    assert rows["r"]["copies"] == 4 and rows["r"]["fraction"] == 1.0
+    for name, per_device in spmd_report["xla_shard_bytes"].items():
+        assert per_device == [rows[name]["bytes/device"]] * 4, name
+        assert spmd_report["xla_shard_devices"][name] == [f"CPU:{d}" for d in range(4)]
+
+
+def test_shard_placements_agree_with_torch_xla(spmd_report):
+    assert spmd_report["our_indices"] == spmd_report["xla_indices"]
+
+
+def test_fsdpv2_holds_a_quarter_per_device(spmd_report):
+    assert spmd_report["fsdp_fraction"] == pytest.approx(0.25, abs=1e-9)
+    assert spmd_report["plot_axes"] == 4 * 4
+
+
+def test_sharded_checkpoint_round_trip(spmd_report):
+    assert spmd_report["ck_listing"] == ["ck"]  # no temp or old folders left behind
+    assert ".metadata" in spmd_report["ck_files"]
+    assert spmd_report["differs_before"]
+    assert spmd_report["equal_after"]
+    assert spmd_report["specs_kept"]
+
+
+def test_sharded_checkpoint_bad_input_is_named(spmd_report):
+    errors = spmd_report["errors"]
+    assert errors["missing"][0] == "FileNotFoundError" and "nope" in errors["missing"][1]
+    assert errors["extra_key"][0] == "KeyError" and "'x'" in errors["extra_key"][1]
+    assert errors["shape"][0] == "ValueError"
+    assert "fc1.bias" in errors["shape"][1] and "(256,)" in errors["shape"][1]
