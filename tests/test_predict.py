@@ -1,0 +1,353 @@
+"""tpu_helpers.predict: the pure ordering / de-duplication (property tests), the
+world-size-1 XLA path in this process, and bad input caught before any compile.
+
+Multi-process (gloo), SPMD (4 virtual devices) and ``torch_xla.launch`` runs are in
+``tests/test_predict_multiprocess.py`` (fresh processes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DistributedSampler
+
+from tpu_helpers.data import eval_shard_indices, make_eval_loader
+from tpu_helpers.predict import (
+    OrderedBuffer,
+    PredictionError,
+    Predictions,
+    exactly_once,
+    merge_shards,
+)
+
+PRIMES = [2, 3, 5, 7, 11, 13, 61, 97, 127, 251, 509, 997]
+sizes = st.one_of(st.integers(1, 1000), st.sampled_from([1, 2, 3, 4, 5, 6, 7, *PRIMES]))
+worlds = st.integers(1, 8)
+batches = st.integers(1, 64)
+FAST = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+def reference(index: np.ndarray) -> np.ndarray:
+    """What a correct model predicts for dataset index i: a row that identifies i."""
+    i = index.astype(np.float64)
+    return np.stack([i * 2 + 0.5, -i, i % 7], axis=-1)
+
+
+def gathered_like_all_gather(n: int, batch: int, world: int) -> tuple[np.ndarray, ...]:
+    """What ``xm.all_gather`` hands the host: per step, every replica's batch in rank
+    order -> index/mask ``[steps, world * batch]``, values ``[steps, world * batch, 3]``.
+    Padding rows get garbage values (they must never reach the result)."""
+    shards = [eval_shard_indices(n, batch, world, r).reshape(-1, batch) for r in range(world)]
+    index = np.concatenate(shards, axis=1)
+    mask = index >= 0
+    values = np.where(mask[..., None], reference(index), 1e9)
+    return index, mask, values
+
+
+@FAST
+@given(n=sizes, world=worlds, batch=batches)
+@example(n=1, world=8, batch=64)
+@example(n=5, world=8, batch=1)   # fewer samples than replicas
+@example(n=997, world=7, batch=13)
+def test_gathered_shards_come_back_once_in_order(n, world, batch):
+    index, mask, values = gathered_like_all_gather(n, batch, world)
+    assert index.shape[1] == world * batch  # every replica ran the same number of steps
+    out = exactly_once(index, mask, values, n=n)
+    np.testing.assert_array_equal(out.index, np.arange(n))
+    np.testing.assert_array_equal(out.values, reference(np.arange(n)))
+    assert out.duplicates == 0
+    # mask=None means "index >= 0": the same result
+    again = exactly_once(index, None, values, n=n)
+    np.testing.assert_array_equal(again.values, out.values)
+
+
+@FAST
+@given(n=sizes, world=worlds, batch=batches, data=st.data())
+def test_chunks_in_any_order_and_split_give_the_same_result(n, world, batch, data):
+    index, mask, values = gathered_like_all_gather(n, batch, world)
+    steps = index.shape[0]
+    chunk = data.draw(st.integers(1, steps), label="chunk_steps")
+    starts = list(range(0, steps, chunk))
+    order = data.draw(st.permutations(starts), label="chunk order")
+    buf = OrderedBuffer(n)
+    for s in order:
+        buf.add(index[s:s + chunk], mask[s:s + chunk],
+                torch.from_numpy(values[s:s + chunk]))  # torch CPU tensors too
+    out = buf.result()
+    np.testing.assert_array_equal(out.index, np.arange(n))
+    np.testing.assert_array_equal(out.values, reference(np.arange(n)))
+    assert buf.padding_rows == index.size - n
+    assert buf.duplicates == 0
+    # host memory: the result plus the largest chunk handed in, nothing proportional more
+    assert buf.chunk_bytes_max <= values[:chunk].nbytes
+
+
+@FAST
+@given(n=sizes, world=worlds, shuffle=st.booleans())
+def test_distributed_sampler_padding_duplicates_are_dropped(n, world, shuffle):
+    """DistributedSampler pads by REPEATING samples and deals them out strided (or
+    shuffled): concatenating the shards gives duplicates in the wrong order."""
+    shards = [np.array(list(DistributedSampler(range(n), num_replicas=world, rank=r,
+                                               shuffle=shuffle, seed=3)))
+              for r in range(world)]
+    naive = np.concatenate(shards)
+    expected_dups = world * math.ceil(n / world) - n
+    assert len(naive) - n == expected_dups
+    if 1 < world < n and not shuffle:  # strided: the concatenation is out of order
+        assert not np.array_equal(naive[:n], np.arange(n))
+    out = exactly_once(naive, np.ones(naive.shape, bool), reference(naive), n=n)
+    np.testing.assert_array_equal(out.index, np.arange(n))
+    np.testing.assert_array_equal(out.values, reference(np.arange(n)))
+    assert out.duplicates == expected_dups
+
+
+def test_torch_in_torch_out_numpy_in_numpy_out():
+    index = torch.tensor([[2, 0], [1, -1]])
+    mask = index >= 0
+    values = torch.arange(8.0).reshape(2, 2, 2)
+    out = exactly_once(index, mask, values, n=3)
+    assert isinstance(out.values, torch.Tensor)
+    assert out.values.tolist() == [[2.0, 3.0], [4.0, 5.0], [0.0, 1.0]]
+    out = exactly_once(index.numpy(), mask.numpy(), values.numpy(), n=3)
+    assert isinstance(out.values, np.ndarray)
+
+
+def test_host_objects_such_as_strings():
+    index = np.array([3, 1, -1, 0, 2, 1])
+    names = np.array(["d", "b", "pad", "a", "c", "b-again"], dtype=object)
+    out = exactly_once(index, None, names, n=4)
+    assert out.values.tolist() == ["a", "b", "c", "d"]
+    assert out.duplicates == 1  # the first in gather order wins
+
+
+def test_n_none_orders_what_is_there():
+    out = exactly_once(np.array([9, 4, -1]), None, np.array([90, 40, 0]))
+    assert out.index.tolist() == [4, 9] and out.values.tolist() == [40, 90]
+
+
+def test_lost_replica_is_named():
+    index, mask, values = gathered_like_all_gather(37, 4, 3)
+    lost = index[:, 4:8]  # replica 1's rows
+    keep = np.ones(index.shape, bool)
+    keep[:, 4:8] = False
+    with pytest.raises(PredictionError, match=r"missing .*first: \[1, 4, 7"):
+        exactly_once(index, mask & keep, values, n=37)
+    assert (lost >= 0).any()
+
+
+def test_bad_rows_are_named():
+    with pytest.raises(PredictionError, match=r"row \(1,\) is marked real .* index -1"):
+        exactly_once(np.array([0, -1]), np.array([True, True]), np.zeros(2), n=1)
+    with pytest.raises(PredictionError, match=r"row \(1,\) has dataset index 5, out of range"):
+        exactly_once(np.array([0, 5]), None, np.zeros(2), n=2)
+    with pytest.raises(PredictionError, match="leading dimensions"):
+        exactly_once(np.array([0, 1]), None, np.zeros((3, 2)), n=2)
+    with pytest.raises(PredictionError, match="mask has shape"):
+        exactly_once(np.array([0, 1]), np.array([True]), np.zeros(2))
+    with pytest.raises(TypeError, match="integers"):
+        exactly_once(np.array([0.0, 1.0]), None, np.zeros(2))
+    buf = OrderedBuffer(3)
+    buf.add(np.array([0, 1]), None, np.zeros((2, 4), np.float32))
+    with pytest.raises(PredictionError, match="every chunk must match"):
+        buf.add(np.array([2]), None, np.zeros((1, 5), np.float32))
+    with pytest.raises(PredictionError, match=r"1 of 3 .* missing .*\[2\]"):
+        buf.result()
+
+
+def test_frame_and_atomic_csv(tmp_path):
+    pred = Predictions(reference(np.arange(5)), columns=("a", "b", "c"))
+    frame = pred.frame
+    assert frame.index.name == "index" and frame.index.tolist() == [0, 1, 2, 3, 4]
+    path = pred.to_csv(tmp_path / "preds.csv")
+    import pandas as pd
+
+    back = pd.read_csv(path, index_col="index")
+    np.testing.assert_allclose(back.to_numpy(), pred.values)
+    assert [p.name for p in tmp_path.iterdir()] == ["preds.csv"]  # no temp file left
+    assert Predictions(np.arange(3.0)).frame.columns.tolist() == ["out"]
+
+
+def test_merge_shards_checks_counts(tmp_path):
+    from tpu_helpers.predict import _chunk_name, _manifest_name
+
+    n, world, batch = 23, 3, 4
+    for r in range(world):
+        idx = eval_shard_indices(n, batch, world, r)
+        np.savez(tmp_path / _chunk_name(r, world, 0), index=idx, mask=idx >= 0,
+                 values=reference(idx))
+        (tmp_path / _manifest_name(r, world)).write_text(
+            f'{{"n": {n}, "chunks": 1, "rows": {int((idx >= 0).sum())}}}')
+    out = merge_shards(tmp_path, n, world)
+    np.testing.assert_array_equal(out.values, reference(np.arange(n)))
+    (tmp_path / _manifest_name(2, world)).write_text('{"n": 23, "chunks": 1, "rows": 99}')
+    with pytest.raises(PredictionError, match="says 99 rows"):
+        merge_shards(tmp_path, n, world)
+    (tmp_path / _manifest_name(2, world)).unlink()
+    with pytest.raises(PredictionError, match=r"rank00002-of-00003.json: missing"):
+        merge_shards(tmp_path, n, world)
+
+
+# --------------------------------------------------------------------------- XLA, world 1
+
+
+@pytest.fixture(scope="module")
+def digits():
+    from tpu_helpers.data import ArrayDataset, load_digits
+
+    x, y = load_digits("test")
+    return ArrayDataset(x, y), x
+
+
+@pytest.fixture(scope="module")
+def xla_model():
+    import torch_xla
+
+    from tpu_helpers.models import DigitsCNN
+
+    torch.manual_seed(0)
+    cpu = DigitsCNN().eval()
+    dev = torch_xla.device()
+    model = DigitsCNN().eval()
+    model.load_state_dict(cpu.state_dict())
+    return cpu, model.to(dev)
+
+
+def test_world_size_1_equals_plain_forward_with_one_graph(digits, xla_model, tmp_path):
+    import torch_xla.debug.metrics as met
+
+    from tpu_helpers.predict import predict
+
+    ds, x = digits
+    cpu, model = xla_model
+    expected = cpu(torch.from_numpy(x)).detach().numpy()
+    met.clear_all()
+    compiles = 0
+    for n in (len(ds), len(ds) - 1, 31, 17, 1):  # every remainder modulo batch 16
+        sub = torch.utils.data.Subset(ds, range(n))
+        pred = predict(model, sub, 16, csv_path=tmp_path / f"p{n}.csv")
+        np.testing.assert_allclose(pred.values, expected[:n], rtol=1e-5, atol=1e-5)
+        assert pred.transfers_from_device == 1  # one transfer to the host for the run
+        assert pred.padding_rows == math.ceil(n / 16) * 16 - n
+        assert (tmp_path / f"p{n}.csv").is_file()
+        compiles += pred.compiles
+    assert compiles == 1, "one predict graph whatever len(dataset) % batch is"
+    assert model.training is False
+
+
+def test_bounded_chunks_same_result(digits, xla_model):
+    from tpu_helpers.predict import predict
+
+    ds, _ = digits
+    _, model = xla_model
+    whole = predict(model, ds, 16)
+    chunked = predict(model, ds, 16, chunk_bytes=1)  # one step per chunk
+    np.testing.assert_array_equal(whole.values, chunked.values)
+    assert chunked.transfers_from_device == math.ceil(len(ds) / 16)
+
+
+def test_shard_files_path_world_1(digits, xla_model, tmp_path):
+    from tpu_helpers.predict import predict
+
+    ds, _ = digits
+    _, model = xla_model
+    whole = predict(model, ds, 16)
+    sharded = predict(model, ds, 16, shard_dir=tmp_path, chunk_bytes=4096)
+    np.testing.assert_array_equal(whole.values, sharded.values)
+    assert len(list(tmp_path.glob("rank00000-of-00001-chunk*.npz"))) > 1
+
+
+class _Dict(torch.nn.Module):
+    def forward(self, x):
+        return {"logits": x.flatten(1)}
+
+
+class _DropsRows(torch.nn.Module):
+    def forward(self, x):
+        return x.flatten(1)[:-1]
+
+
+class _ShapeChangesAtStep1(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x.flatten(1)[:, : 8 if self.calls == 1 else 9] * 2
+
+
+@pytest.mark.parametrize("model, match", [
+    (_Dict(), "returned a dict at step 0"),
+    (_DropsRows(), r"shape \(15, 64\) at step 0 for a batch of 16 rows"),
+])
+def test_bad_model_output_fails_before_any_compile(digits, model, match):
+    import torch_xla.core.xla_model as xm
+
+    from tpu_helpers.metrics import snapshot
+    from tpu_helpers.predict import predict
+
+    xm.wait_device_ops()
+    before = snapshot()
+    with pytest.raises(PredictionError, match=match):
+        predict(model, digits[0], 16)
+    xm.wait_device_ops()
+    assert (snapshot() - before).compiles == 0
+
+
+def test_output_shape_change_fails_before_its_graph_compiles(digits):
+    import torch_xla.core.xla_model as xm
+
+    from tpu_helpers.metrics import snapshot
+    from tpu_helpers.predict import predict
+
+    xm.wait_device_ops()
+    before = snapshot()
+    with pytest.raises(PredictionError, match=r"changed from \[16, 8\].* at step 1 "
+                                              r"\(dataset indices \[16, 17, 18, 19\]"):
+        predict(_ShapeChangesAtStep1(), digits[0], 16)
+    xm.wait_device_ops()
+    assert (snapshot() - before).compiles == 1  # step 0's graph; the bad one never compiles
+
+
+def test_dataset_or_batches_without_indices(digits):
+    from tpu_helpers.predict import predict, predict_loader
+
+    ds, x = digits
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from x
+
+    with pytest.raises(PredictionError, match="Stream has no indices"):
+        predict(_Dict(), Stream(), 16)
+    plain = torch.utils.data.DataLoader(ds, batch_size=16)  # (x, y): no index, no mask
+    with pytest.raises(PredictionError, match="batch 0 .* without dataset indices"):
+        predict_loader(_Dict(), plain, len(ds))
+    with pytest.raises(PredictionError, match="empty"):
+        predict(_Dict(), torch.utils.data.Subset(ds, []), 16)
+
+
+def test_partial_last_batch_is_refused(digits):
+    """A user loader with a short last batch: refused before that batch's graph."""
+    from tpu_helpers.predict import predict_loader
+
+    ds, _ = digits
+    loader = make_eval_loader(ds, 16, world_size=1, rank=0)
+    batches = list(loader)
+    short = [*batches[:-1], tuple(t[:5] for t in batches[-1])]
+    with pytest.raises(PredictionError, match=r"batch 22 has 5 rows .* batch 0 had 16"):
+        predict_loader(torch.nn.Flatten(), short, len(ds))
+
+
+def test_device_tensors_are_refused_by_the_pure_function():
+    import torch_xla
+
+    t = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
+    with pytest.raises(TypeError, match="move the gathered tensors to the host first"):
+        exactly_once(t, None, np.zeros(2))
