@@ -1,0 +1,213 @@
+"""tpu_helpers.predict in fresh processes: real multi-process gathering (torch.distributed
+with gloo, 3 processes), SPMD on 4 virtual devices, and world size 1 under
+``torch_xla.launch``.
+
+XLA:CPU cannot run cross-process XLA collectives (pytorch/xla issue 9089), so the
+multi-process test joins real processes with gloo for the collective
+(``TorchDistributedReplicas``); the loop, padding, packing, ordering and de-duplication
+code is the same as under ``torch_xla.launch`` on a TPU (only ``xm.all_gather`` differs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import REPO, run_python
+
+CASES = [(360, 16), (37, 4), (2, 8), (1, 1)]  # (n, batch): n prime, n < world, n = 1
+
+
+def expected_logits(n: int) -> np.ndarray:
+    from tpu_helpers.data import load_digits
+    from tpu_helpers.models import DigitsCNN
+
+    x, _ = load_digits("test")
+    torch.manual_seed(0)
+    model = DigitsCNN().eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(x[:n])).numpy()
+
+
+WORKER = """
+import json, os, sys
+import numpy as np, torch, torch.distributed as dist
+import torch_xla
+from tpu_helpers.data import ArrayDataset, eval_shard_indices, load_digits
+from tpu_helpers.models import DigitsCNN
+from tpu_helpers.predict import TorchDistributedReplicas, gather_host_rows, predict
+
+rank, world, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + os.path.join(out, "init"),
+                        rank=rank, world_size=world)
+x, y = load_digits("test")
+ds = ArrayDataset(x, y)
+torch.manual_seed(0)
+model = DigitsCNN().eval().to(torch_xla.device())
+backend = TorchDistributedReplicas()
+report = {"rank": rank, "world": backend.world_size}
+for n, batch in json.loads(sys.argv[4]):
+    sub = torch.utils.data.Subset(ds, range(n))
+    pred = predict(model, sub, batch, backend=backend, csv_path=f"{out}/pred-{n}.csv")
+    assert (pred is None) == (rank != 0), (rank, pred)
+    if pred is not None:
+        np.save(f"{out}/gathered-{n}.npy", pred.values)
+        report[f"dups-{n}"] = pred.duplicates
+        report[f"padding-{n}"] = pred.padding_rows
+    if n == 37:  # every rank asks for the result
+        everyone = predict(model, sub, batch, backend=backend, all_ranks=True)
+        np.save(f"{out}/all-{n}-rank{rank}.npy", everyone.values)
+# outputs too big to gather: per-rank shard files, merged by the master
+pred = predict(model, ds, 16, backend=backend, shard_dir=f"{out}/shards", chunk_bytes=2048)
+if rank == 0:
+    np.save(f"{out}/sharded.npy", pred.values)
+# small host objects (file names) via a host gather
+idx = eval_shard_indices(len(ds), 16, world, rank)
+names = [f"digit-{i:04d}.png" if i >= 0 else "" for i in idx]
+rows = gather_host_rows(idx, idx >= 0, names, len(ds), backend)
+report["names_ok"] = rows.values.tolist() == [f"digit-{i:04d}.png" for i in range(len(ds))]
+json.dump(report, open(f"{out}/report-{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_three_real_processes_gather_exactly_once_in_order(tmp_path):
+    world = 3
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",
+           "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), str(r),
+                               str(world), str(tmp_path), json.dumps(CASES)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, text) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {r} failed:\n{text[-3000:]}"
+    reports = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in range(world)]
+    assert [r["world"] for r in reports] == [world] * world
+    full = expected_logits(360)
+    for n, batch in CASES:
+        gathered = np.load(tmp_path / f"gathered-{n}.npy")
+        assert gathered.shape == (n, 10)
+        np.testing.assert_allclose(gathered, full[:n], rtol=1e-5, atol=1e-5)
+        assert reports[0][f"dups-{n}"] == 0
+        steps = -(-n // (batch * world))
+        assert reports[0][f"padding-{n}"] == steps * batch * world - n
+        frame = pd.read_csv(tmp_path / f"pred-{n}.csv", index_col="index")
+        assert frame.index.tolist() == list(range(n))
+        np.testing.assert_allclose(frame.to_numpy(), gathered, rtol=1e-6, atol=1e-6)
+    for r in range(world):  # all_ranks=True: the same result everywhere
+        np.testing.assert_array_equal(np.load(tmp_path / f"all-37-rank{r}.npy"),
+                                      np.load(tmp_path / "gathered-37.npy"))
+    np.testing.assert_array_equal(np.load(tmp_path / "sharded.npy"),
+                                  np.load(tmp_path / "gathered-360.npy"))
+    assert len(list((tmp_path / "shards").glob("rank*-of-00003.json"))) == world
+    assert all(r["names_ok"] for r in reports)
+
+
+SPMD = """
+import json
+import numpy as np, torch
+import torch_xla, torch_xla.runtime as xr
+xr.use_spmd()
+from tpu_helpers.data import ArrayDataset, load_digits
+from tpu_helpers.models import DigitsCNN
+from tpu_helpers.predict import SpmdMesh, predict
+from tpu_helpers.spmd import device_mesh
+
+x, y = load_digits("test")
+ds = ArrayDataset(x, y)
+torch.manual_seed(0)
+model = DigitsCNN().eval().to(torch_xla.device())
+report = {"devices": xr.global_runtime_device_count(), "runs": []}
+for n, batch in json.loads(CASES):
+    pred = predict(model, torch.utils.data.Subset(ds, range(n)), batch)
+    np.save(f"OUT/spmd-{n}.npy", pred.values)
+    report["runs"].append([n, pred.compiles, pred.transfers_from_device, pred.padding_rows])
+# a 2 x 2 mesh: rows split over 'data' (2), copies over 'model' are skipped, not duplicated
+mesh = device_mesh(("data", "model"), (2, 2))
+pred = predict(model, ds, 16, backend=SpmdMesh(mesh))
+np.save("OUT/spmd-2x2.npy", pred.values)
+report["dups_2x2"] = pred.duplicates
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_spmd_on_4_virtual_devices_same_result(tmp_path):
+    code = SPMD.replace("OUT", str(tmp_path)).replace("CASES", repr(json.dumps(CASES)))
+    proc = run_python(code, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["devices"] == 4
+    full = expected_logits(360)
+    for (n, batch), (n2, _compiles, transfers, padding) in zip(CASES, report["runs"],
+                                                             strict=True):
+        assert n == n2
+        np.testing.assert_allclose(np.load(tmp_path / f"spmd-{n}.npy"), full[:n],
+                                   rtol=1e-5, atol=1e-5)
+        assert transfers == 1  # every shard of the run in one transfer
+        steps = -(-n // (batch * 4))
+        assert padding == steps * batch * 4 - n
+    # one compiled step graph per batch shape, whatever n % (batch x 4) is
+    by_batch: dict[int, int] = {}
+    for (_, batch), run in zip(CASES, report["runs"], strict=True):
+        by_batch[batch] = by_batch.get(batch, 0) + run[1]
+    assert by_batch == {16: 1, 4: 1, 8: 1, 1: 1}
+    np.testing.assert_allclose(np.load(tmp_path / "spmd-2x2.npy"), full, rtol=1e-5, atol=1e-5)
+    assert report["dups_2x2"] == 0
+
+
+LAUNCH = """
+import json
+import numpy as np, torch
+import torch_xla
+import tpu_helpers.predict  # importing must not touch the device (launch would refuse)
+from tpu_helpers.data import ArrayDataset, load_digits
+from tpu_helpers.models import DigitsCNN
+
+def run(index):
+    import torch_xla.runtime as xr
+    from tpu_helpers.predict import predict
+    x, y = load_digits("test")
+    ds = ArrayDataset(x, y)
+    torch.manual_seed(0)
+    model = DigitsCNN().eval().to(torch_xla.device())
+    compiles = 0
+    for n in (360, 359, 17, 1):
+        pred = predict(model, torch.utils.data.Subset(ds, range(n)), 16,
+                       csv_path=f"OUT/launch-{n}.csv")
+        compiles += pred.compiles
+    json.dump({"world": xr.world_size(), "rank": xr.global_ordinal(), "compiles": compiles},
+              open("OUT/launch.json", "w"))
+
+if __name__ == "__main__":
+    torch_xla.launch(run, start_method="fork")
+"""
+
+
+@pytest.mark.slow
+def test_world_size_1_under_launch(tmp_path):
+    run_python(LAUNCH.replace("OUT", str(tmp_path)),
+               env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})
+    info = json.loads((tmp_path / "launch.json").read_text())
+    assert info == {"world": 1, "rank": 0, "compiles": 1}
+    full = expected_logits(360)
+    for n in (360, 359, 17, 1):
+        frame = pd.read_csv(tmp_path / f"launch-{n}.csv", index_col="index")
+        assert frame.index.tolist() == list(range(n))
+        np.testing.assert_allclose(frame.to_numpy(), full[:n], rtol=1e-5, atol=1e-5)
