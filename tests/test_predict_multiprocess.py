@@ -139,6 +139,9 @@ for n, batch in json.loads(CASES):
     pred = predict(model, torch.utils.data.Subset(ds, range(n)), batch)
     np.save(f"OUT/spmd-{n}.npy", pred.values)
     report["runs"].append([n, pred.compiles, pred.transfers_from_device, pred.padding_rows])
+# same batch, other remainders modulo (16 x 4): no new graph
+report["recompiles"] = sum(predict(model, torch.utils.data.Subset(ds, range(n)), 16).compiles
+                           for n in (359, 333, 65))
 # a 2 x 2 mesh: rows split over 'data' (2), copies over 'model' are skipped, not duplicated
 mesh = device_mesh(("data", "model"), (2, 2))
 pred = predict(model, ds, 16, backend=SpmdMesh(mesh))
@@ -168,6 +171,7 @@ def test_spmd_on_4_virtual_devices_same_result(tmp_path):
     for (_, batch), run in zip(CASES, report["runs"], strict=True):
         by_batch[batch] = by_batch.get(batch, 0) + run[1]
     assert by_batch == {16: 1, 4: 1, 8: 1, 1: 1}
+    assert report["recompiles"] == 0
     np.testing.assert_allclose(np.load(tmp_path / "spmd-2x2.npy"), full, rtol=1e-5, atol=1e-5)
     assert report["dups_2x2"] == 0
 
