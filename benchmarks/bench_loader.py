@@ -1,0 +1,98 @@
+"""Loader benchmark: naive `.to(device)` loop vs MpDeviceLoader vs data already on device.
+
+    python -m benchmarks.bench_loader            # full run (< 2 minutes)
+    python -m benchmarks.bench_loader --quick    # CI-sized
+
+One process, one XLA:CPU device, the digits CNN (tpu_helpers.models.DigitsCNN) trained
+with plain SGD on the shipped digits held in memory (tpu_helpers.data.ArrayDataset,
+the pipeline notebook 01 recommends). Prints steps/s, compiles and host-to-device
+transfers of
+
+  (a) naive:  for x, y in DataLoader: x.to(device), y.to(device); step; torch_xla.sync()
+  (b) MpDeviceLoader (tpu_helpers.device_loader.StrictDeviceLoader, the same with errors
+      surfaced): background transfer + prefetch, sync per step
+  (c) ceiling: the same compiled step on batches already on the device
+
+and the ratios b/a and b/c (goal here: b/c >= 0.8, b/a >= 1.0). Row (d) repeats (b) with
+a decode-heavy host pipeline (each PNG decoded per item) to show what MpDeviceLoader
+cannot hide. Taught in notebooks/02_parallel_loader.ipynb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from tpu_helpers.env import configure_emulation
+
+BATCH_SIZE = 64
+
+
+def run(quick: bool = False, decode_row: bool = True) -> list[dict]:
+    """Run the benchmark in this process; one dict per row.
+
+    Keys: ``name``, ``steps``, ``seconds``, ``steps_per_s``, ``compiles`` (during the timed
+    loop; the step is compiled before), ``executions``, ``transfers_to_device``,
+    ``transfers_per_step``; the MpDeviceLoader row also has ``ratio_vs_naive`` and
+    ``ratio_vs_ceiling``. Needs a process whose XLA runtime is (or can be) one CPU device
+    or a TPU.
+    """
+    configure_emulation(num_devices=1)
+    import torch
+    import torch_xla
+    from torch.utils.data import DataLoader
+
+    from tpu_helpers.data import ArrayDataset, ImageFolderDataset, data_dir, load_digits
+    from tpu_helpers.device_loader import compare_loops, device_loader_loop, sgd_step, time_loop
+    from tpu_helpers.models import DigitsCNN
+
+    steps, rounds = (10, 2) if quick else (15, 7)
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    step = sgd_step(DigitsCNN().to(device))
+    images, labels = load_digits("train")
+    loader = DataLoader(ArrayDataset(images, labels, 10), batch_size=BATCH_SIZE, shuffle=True,
+                        drop_last=True)
+    timings = compare_loops(loader, step, device, steps=steps, rounds=rounds)
+    rows = [t.as_row() for t in timings]
+    if decode_row:
+        files = ImageFolderDataset(data_dir() / "digits", "train", verify=False)
+        decode_loader = DataLoader(files, batch_size=BATCH_SIZE, shuffle=True, drop_last=True)
+        rows.append(time_loop("MpDeviceLoader, PNG decode per item",
+                          lambda: device_loader_loop(decode_loader, step, device, steps)).as_row())
+    naive, mp, ceiling = rows[0], rows[1], rows[2]
+    mp["ratio_vs_naive"] = mp["steps_per_s"] / naive["steps_per_s"]
+    mp["ratio_vs_ceiling"] = mp["steps_per_s"] / ceiling["steps_per_s"]
+    for r in rows:
+        r["benchmark"] = "loader"
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'loop':38s} {'steps/s':>8s} {'compiles':>8s} {'transfers/step':>14s}"]
+    for r in rows:
+        lines.append(f"{r['name']:38s} {r['steps_per_s']:8.1f} {r['compiles']:8d} "
+                     f"{r['transfers_per_step']:14.2f}")
+    mp = rows[1]
+    lines.append(f"b/a (MpDeviceLoader / naive)   = {mp['ratio_vs_naive']:.2f}  (goal >= 1.0)")
+    lines.append(f"b/c (MpDeviceLoader / ceiling) = {mp['ratio_vs_ceiling']:.2f}  (goal >= 0.8)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps and repeats (CI)")
+    args = ap.parse_args(argv)
+    quick = args.quick or os.environ.get("CI") == "true" or os.environ.get("SMOKE") == "1"
+    start = time.perf_counter()
+    rows = run(quick=quick)
+    print(format_rows(rows))
+    print(f"({time.perf_counter() - start:.0f} s; batch {BATCH_SIZE}, XLA:CPU timings are "
+          "inflated by other load on this machine)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
