@@ -1,0 +1,108 @@
+"""The facts notebook 08 teaches, pinned as fast tests (the notebook asserts them too).
+
+If an upgrade of torch / torch_xla / Lightning changes one of these, this file says which
+claim in ``notebooks/08_myths_and_facts.ipynb`` needs rewriting.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import REPO
+from torch.utils.data import DistributedSampler
+
+
+def test_xmp_spawn_refuses_nprocs_8():
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    with pytest.raises(ValueError, match=r"^Unsupported nprocs \(8\)"):
+        xmp.spawn(print, nprocs=8, start_method="fork")
+
+
+def test_removed_runtime_queries_are_gone():
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    assert not hasattr(xm, "xrt_world_size")  # removed in 2.7: the myth
+    assert not hasattr(xm, "get_ordinal")
+    assert callable(xr.world_size) and callable(xr.global_ordinal)
+
+
+def test_torch_xla_needs_neither_jax_nor_cloud_tpu_client():
+    reqs = md.requires("torch_xla") or []
+    base = [r for r in reqs if "extra ==" not in r]
+    assert not any(r.split()[0].startswith("jax") for r in base)
+    assert not any("cloud-tpu-client" in r or "cloud_tpu_client" in r for r in reqs)
+
+
+def test_lightning_tpu_cores_is_a_type_error_and_samplers_are_automatic():
+    import inspect
+
+    import lightning as L
+
+    with pytest.raises(TypeError, match="tpu_cores"):
+        L.Trainer(tpu_cores=8)
+    assert inspect.signature(L.Trainer).parameters["use_distributed_sampler"].default is True
+
+
+def test_six_items_on_eight_replicas():
+    padded = [list(DistributedSampler(range(6), num_replicas=8, rank=r, shuffle=False))
+              for r in range(8)]
+    assert sum(padded, []) == [0, 1, 2, 3, 4, 5, 0, 1]
+    assert all(not list(DistributedSampler(range(6), num_replicas=8, rank=r, drop_last=True))
+               for r in range(8))
+
+
+def test_parallel_loader_keeps_batch_size_and_count():
+    import torch
+    import torch_xla
+    import torch_xla.distributed.parallel_loader as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    device = torch_xla.device()
+    data = TensorDataset(torch.arange(18.0).reshape(6, 3))
+    sizes = [x.shape[0] for (x,) in pl.MpDeviceLoader(DataLoader(data, batch_size=1), device)]
+    assert sizes == [1] * 6
+
+
+GLOO_RANK = r"""
+import json, os, torch, torch.distributed as dist, torch_xla
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+on_cpu = torch.full((3,), rank + 1.0)
+on_xla = torch.full((3,), rank + 1.0).to(torch_xla.device())
+dist.all_reduce(on_cpu)
+dist.all_reduce(on_xla)
+print(json.dumps({"cpu": on_cpu.tolist(), "xla": on_xla.cpu().tolist()}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_gloo_leaves_xla_tensors_unreduced():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(GLOO_RANK)], cwd=REPO,
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [r["cpu"] for r in results] == [[3.0] * 3, [3.0] * 3]
+    assert [r["xla"] for r in results] == [[1.0] * 3, [2.0] * 3]  # silently not reduced
