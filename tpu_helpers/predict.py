@@ -537,7 +537,8 @@ def _describe(obj: Any) -> str:
 
 def pack_batch(batch: Any, step: int, batch_size: int) -> dict[str, torch.Tensor]:
     """Check one host batch ``(x, ..., index, mask)`` and pack it as
-    ``{"x": x, "ids": int64 [B, 2]}`` (index, mask) so one transfer carries both.
+    ``{"x": x, "ids": int32 [B, 2]}`` (index, mask) so one transfer and one gather carry
+    both (int32: every TPU collective handles it; datasets up to 2**31 - 1 rows).
 
     Raises :class:`PredictionError` for a batch without index or mask, or with another
     number of rows than ``batch_size`` (a partial last batch), naming the batch.
@@ -572,7 +573,10 @@ def pack_batch(batch: Any, step: int, batch_size: int) -> dict[str, torch.Tensor
             "all_gather hang on the other replicas; pad and mask instead "
             "(tpu_helpers.data.make_eval_loader)."
         )
-    return {"x": x, "ids": torch.stack([index.to(torch.int64), mask.to(torch.int64)], 1)}
+    if rows and int(index.max()) >= 2**31 - 1:
+        raise PredictionError(f"batch {step}: dataset index {int(index.max())} does not fit "
+                              "in int32; split the dataset (predict handles < 2**31 rows).")
+    return {"x": x, "ids": torch.stack([index.to(torch.int32), mask.to(torch.int32)], 1)}
 
 
 class _CheckedBatches:
@@ -672,7 +676,7 @@ def predict_loader(model: torch.nn.Module, loader, n: int, *, backend: Backend |
                 out = model(x)
                 spec = _check_output(out, spec, int(x.shape[0]), step, ids)
                 if step == 0:
-                    per_row = out[0].nelement() * out.element_size() + ids[0].nelement() * 8
+                    per_row = out[0].nelement() * out.element_size() + ids[0].nelement() * 4
                     step_bytes = per_row * int(x.shape[0]) * (
                         1 if writer else backend.replicas_per_step)
                     chunk_steps = max(1, chunk_bytes // step_bytes)
