@@ -1,0 +1,215 @@
+"""Lightning's own XLA code path on XLA:CPU: accelerator choice, fit, checkpoint, predict, re-run.
+
+Real Lightning 2.6, real torch_xla on the XLA:CPU device (one device, set in conftest).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lightning import Trainer
+from lightning.fabric.accelerators import xla as fabric_xla
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import XLAPrecision
+from lightning.pytorch.strategies import SingleDeviceXLAStrategy
+from torch.utils.data import DataLoader
+
+from tpu_helpers.data import ArrayDataset, load_digits
+from tpu_helpers.env import EnvironmentProblem, Runtime, layout_for
+from tpu_helpers.lightning import (
+    AtomicXLACheckpointIO,
+    DigitsLightningModule,
+    ExactlyOncePredictionWriter,
+    XLACountsCallback,
+    XLACPUAccelerator,
+    describe_choice,
+    lightning_devices_table,
+    read_predictions,
+    trainer_kwargs,
+)
+
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+# --------------------------------------------------------------------------- choice
+
+
+def test_trainer_kwargs_here_pick_the_xla_cpu_accelerator():
+    kw = trainer_kwargs()
+    assert isinstance(kw["accelerator"], XLACPUAccelerator)
+    assert kw["devices"] == 1
+    assert [type(p) for p in kw["plugins"]] == [AtomicXLACheckpointIO]
+    assert "(SingleDeviceXLAStrategy) on the XLA:CPU device" in describe_choice(kw)
+
+
+def test_trainer_kwargs_on_a_tpu_pass_devices_to_lightnings_tpu_accelerator():
+    tpu = Runtime(platform="tpu-vm", tpu_generation="v5e", chips=8,
+                  layout=layout_for("v5e", 8))
+    for devices in ("auto", 1, 8, [3]):
+        kw = trainer_kwargs(devices, runtime=tpu)
+        assert kw["accelerator"] == "tpu" and kw["devices"] == devices
+    assert "Trainer(accelerator='tpu', devices=8)" in describe_choice(
+        trainer_kwargs(8, runtime=tpu), runtime=tpu)
+
+
+@pytest.mark.parametrize("devices", ["auto", 1, "1", [0], "0,"])
+def test_xla_cpu_accepts_one_device(devices):
+    assert XLACPUAccelerator.parse_devices(devices) in (1, [0])
+
+
+@pytest.mark.parametrize("devices", [8, 2, [1], "2"])
+def test_xla_cpu_refuses_several_devices_with_the_reason(devices):
+    with pytest.raises(ValueError, match="pytorch/xla issue 9089"):
+        trainer_kwargs(devices)
+
+
+@pytest.mark.parametrize("devices", [0, -1, [0, 1], "x", None, 1.5, True])
+def test_devices_lightning_would_refuse_fail_before_the_trainer(devices):
+    tpu = Runtime(platform="tpu-vm", tpu_generation="v4", chips=4, layout=layout_for("v4", 4))
+    with pytest.raises(ValueError, match="Lightning 2.6 on TPU takes"):
+        trainer_kwargs(devices, runtime=tpu)
+
+
+def test_without_pjrt_cpu_the_fix_is_named(monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    with pytest.raises(EnvironmentProblem, match="configure_emulation"):
+        trainer_kwargs(runtime=Runtime(platform="local"))
+
+
+def test_devices_table_matches_lightnings_own_rule(monkeypatch):
+    """For each TPU, Lightning's device check accepts exactly what the table says."""
+    table = lightning_devices_table()
+    for tpu, row in table.iterrows():
+        n = int(row['devices="auto"'])
+        monkeypatch.setattr(fabric_xla.XLAAccelerator, "auto_device_count",
+                            staticmethod(lambda n=n: n))
+        accepted = set()
+        for candidate in [1, 2, 4, 8, [0], [n - 1], [n]]:
+            try:
+                fabric_xla._check_tpu_devices_valid(candidate)
+                accepted.add(str(candidate))
+            except ValueError:
+                pass
+        assert accepted == {"1", str(n), "[0]", f"[{n - 1}]"}, tpu
+        assert row["accepted devices"] == ("1, [i]" if n == 1 else
+                                           f"1, {n}, [0]..[{n - 1}]"), tpu
+    assert table.loc["v2-8 / v3-8", 'devices="auto"'] == 8
+    assert table.loc["v4-8", 'devices="auto"'] == 4
+    assert table.loc["v5e-1 (Colab)", 'devices="auto"'] == 1
+
+
+# --------------------------------------------------------------------------- running
+
+
+@pytest.fixture(scope="module")
+def digits():
+    train = ArrayDataset(*load_digits("train"))
+    test = ArrayDataset(*load_digits("test"))
+    return train, test
+
+
+@pytest.fixture(scope="module")
+def fitted(digits, tmp_path_factory):
+    """Three short epochs through Lightning's XLA path, with a checkpoint callback."""
+    train, test = digits
+    ckpt_dir = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    model = DigitsLightningModule(lr=5e-3)
+    trainer, counts, checkpoint = make_trainer(ckpt_dir)
+    trainer.fit(model, *loaders(train, test))
+    return trainer, model, counts, checkpoint
+
+
+def make_trainer(ckpt_dir):
+    counts = XLACountsCallback()
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_acc", mode="max")
+    trainer = Trainer(**trainer_kwargs(), max_epochs=3, limit_train_batches=8,
+                      callbacks=[counts, checkpoint], **QUIET)
+    return trainer, counts, checkpoint
+
+
+def loaders(train, test):
+    return (DataLoader(train, batch_size=64, shuffle=True, drop_last=True),
+            DataLoader(test, batch_size=120))
+
+
+def test_fit_runs_lightnings_single_device_xla_strategy(fitted):
+    trainer, model, counts, _ = fitted
+    assert type(trainer.strategy) is SingleDeviceXLAStrategy
+    assert str(trainer.strategy.root_device) == "xla:0"
+    assert isinstance(trainer.precision_plugin, XLAPrecision)
+    assert isinstance(trainer.strategy.checkpoint_io, AtomicXLACheckpointIO)
+    assert float(trainer.callback_metrics["val_acc"]) > 0.7
+    epochs = counts.frame()
+    assert list(epochs["steps"]) == [8, 8, 8]
+    assert epochs["compiles"].iloc[0] >= 2  # first epoch: the step graphs are compiled
+    assert epochs["compiles"].iloc[1:].sum() <= 1  # then (almost) nothing new
+    assert epochs["compiles"].iloc[2] == 0
+    # the loss is logged per epoch: no device-to-host transfer inside the steps
+    assert counts.step_transfers_from_device and max(counts.step_transfers_from_device) == 0
+    # reduce (sync_dist) runs at epoch ends, not per step
+    assert (epochs["reduce_calls"] < epochs["steps"]).all()
+
+
+def test_checkpoint_is_atomic_and_loads_into_a_fresh_module(fitted):
+    _, model, _, checkpoint = fitted
+    path = Path(checkpoint.best_model_path)
+    assert path.is_file()
+    assert [p.name for p in path.parent.iterdir() if ".tmp" in p.name] == []
+    restored = DigitsLightningModule.load_from_checkpoint(path, map_location="cpu")
+    assert restored.hparams.lr == 5e-3
+    raw = torch.load(path, map_location="cpu", weights_only=False)
+    assert float(raw["callbacks"][next(k for k in raw["callbacks"]
+                                       if k.startswith("ModelCheckpoint"))]["best_model_score"]
+                 ) == pytest.approx(float(checkpoint.best_model_score))
+
+
+def test_atomic_checkpoint_io_keeps_the_old_file_when_a_save_fails(tmp_path):
+    io = AtomicXLACheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"w": torch.ones(3)}, path)
+    with pytest.raises(Exception):  # noqa: B017  (pickling a lambda fails inside torch.save)
+        io.save_checkpoint({"w": torch.zeros(3), "bad": lambda: 0}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_predict_with_the_writer_equals_a_plain_forward_pass(fitted, digits, tmp_path):
+    _, model, _, _ = fitted
+    _, test = digits
+    writer = ExactlyOncePredictionWriter(tmp_path)
+    trainer = Trainer(**trainer_kwargs(), callbacks=[writer], **QUIET)
+    returned = trainer.predict(model, DataLoader(test, batch_size=100))
+    assert len(returned) == 4  # one device: Lightning also returns them (not on 8 cores)
+    merged = read_predictions(tmp_path)
+    np.testing.assert_array_equal(merged.index, np.arange(len(test)))
+    with torch.no_grad():
+        plain = copy.deepcopy(model).cpu().eval()(torch.from_numpy(test.images))
+    torch.testing.assert_close(merged.values, plain, atol=1e-5, rtol=1e-5)
+    assert torch.equal(merged.values.argmax(1), plain.argmax(1))
+    np.testing.assert_array_equal(writer.as_array(), merged.values.numpy())
+
+
+def test_refit_in_the_same_process_works_and_compiles_nothing_new(fitted, digits, tmp_path):
+    from tpu_helpers.metrics import track
+
+    trainer, model, _, _ = fitted
+    # Lightning 2.6 trains a module left in eval mode as it is (only a warning): in a
+    # notebook, after an eval-mode forward pass, call model.train() before fitting again
+    assert model.training
+    step = trainer.global_step
+    # same Trainer: Lightning moves its stored metric state back to the device (two tiny
+    # graphs), runs the sanity check, sees max_epochs reached and returns
+    with track(max_compiles=2, what="same Trainer, fit again"):
+        trainer.fit(model, *loaders(*digits))
+    assert trainer.current_epoch == 3 and trainer.global_step == step
+    # a new Trainer with the same settings: trains again, every graph comes from the cache
+    again, counts, checkpoint = make_trainer(tmp_path)
+    with track(max_compiles=0, what="new Trainer, same settings"):
+        again.fit(model, *loaders(*digits))
+    assert again.current_epoch == 3 and list(counts.frame()["steps"]) == [8, 8, 8]
+    assert Path(checkpoint.best_model_path).parent == tmp_path

@@ -1,0 +1,209 @@
+"""ExactlyOncePredictionWriter: every prediction exactly once, in order, for world sizes 1..8.
+
+The per-rank records are produced the way Lightning produces them in ``trainer.predict``:
+Lightning's own sampler for the stage (``UnrepeatedDistributedSamplerWrapper`` for
+predict, or a user's ``DistributedSampler`` that pads by repeating samples, which
+Lightning keeps), its ``_IndexBatchSamplerWrapper`` recording ``batch_indices``, and the
+writer's real ``write_on_batch_end`` / ``save_rank`` / ``merge`` path. The last test runs
+a real multi-process ``trainer.predict`` (gloo, CPU) with the writer.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from tpu_helpers.lightning import (
+    MERGED_FILE,
+    ExactlyOncePredictionWriter,
+    merge_rank_files,
+    rank_file,
+    read_predictions,
+)
+from tpu_helpers.predict import PredictionError
+
+ROW = 3
+
+
+def expected(n: int) -> np.ndarray:
+    """What the fake model predicts for dataset index i: row [i, 10 i, -i]."""
+    i = np.arange(n, dtype=np.float32)
+    return np.stack([i, 10 * i, -i], axis=1)
+
+
+def lightning_rank_batches(n: int, batch_size: int, world_size: int, rank: int,
+                           sampler: str = "predict"):
+    """(batch, batch_indices) for one rank, exactly as Lightning's predict loop sees them."""
+    dataset = TensorDataset(torch.arange(n, dtype=torch.float32))
+    loader = DataLoader(dataset, batch_size=batch_size)
+    if sampler == "predict":  # what Lightning inserts for trainer.predict on several devices
+        dist = _get_distributed_sampler(loader, shuffle=False, overfit_batches=0,
+                                        mode=RunningStage.PREDICTING,
+                                        num_replicas=world_size, rank=rank)
+    else:  # a user's DistributedSampler (pads by repeating samples); Lightning keeps it
+        dist = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                  shuffle=sampler == "shuffled", seed=3)
+    loader = _update_dataloader(loader, dist, mode=RunningStage.PREDICTING)
+    for batch_idx, batch in enumerate(loader):
+        yield batch, loader.batch_sampler.seen_batch_indices[batch_idx]
+
+
+def fake_predict(batch) -> torch.Tensor:
+    x = batch[0]
+    return torch.stack([x, 10 * x, -x], dim=1)
+
+
+def run_ranks(tmp_path, n, batch_size, world_size, sampler="predict", drop=None):
+    """Each rank records its batches through the writer and saves its file; rank 0 merges."""
+    for rank in range(world_size):
+        writer = ExactlyOncePredictionWriter(tmp_path)
+        for batch_idx, (batch, indices) in enumerate(
+                lightning_rank_batches(n, batch_size, world_size, rank, sampler)):
+            if drop == (rank, batch_idx):
+                continue  # a lost batch: the merge must notice
+            writer.write_on_batch_end(None, None, fake_predict(batch), indices, batch,
+                                      batch_idx, 0)
+        writer.save_rank(rank, world_size, n)
+    rank0 = ExactlyOncePredictionWriter(tmp_path)
+    return rank0.merge(world_size, n), rank0
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+@pytest.mark.parametrize("n,batch_size", [(37, 4), (64, 8), (360, 100)])
+def test_lightning_predict_sampler_records_merge_exactly_once(tmp_path, world_size, n,
+                                                              batch_size):
+    merged, writer = run_ranks(tmp_path, n, batch_size, world_size)
+    np.testing.assert_array_equal(merged.index, np.arange(n))
+    np.testing.assert_array_equal(merged.values.numpy(), expected(n))
+    assert merged.duplicates == 0  # the unrepeated sampler never repeats
+    np.testing.assert_array_equal(writer.as_array(), expected(n))
+    again = read_predictions(tmp_path)
+    np.testing.assert_array_equal(again.values.numpy(), expected(n))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [MERGED_FILE] + [rank_file(tmp_path, r, world_size).name for r in range(world_size)])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5, 8])
+@pytest.mark.parametrize("sampler", ["padded", "shuffled"])
+def test_repeating_distributed_sampler_is_deduplicated(tmp_path, world_size, sampler):
+    n, batch_size = 37, 4
+    merged, _ = run_ranks(tmp_path, n, batch_size, world_size, sampler=sampler)
+    np.testing.assert_array_equal(merged.index, np.arange(n))
+    np.testing.assert_array_equal(merged.values.numpy(), expected(n))
+    padded_total = -(-n // world_size) * world_size
+    assert merged.duplicates == padded_total - n
+
+
+def test_a_lost_batch_is_reported_not_hidden(tmp_path):
+    with pytest.raises(PredictionError, match="missing from the gathered rows"):
+        run_ranks(tmp_path, 37, 4, world_size=4, drop=(2, 1))
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    writer = ExactlyOncePredictionWriter(tmp_path)
+    for batch_idx, (batch, indices) in enumerate(lightning_rank_batches(20, 4, 2, 0)):
+        writer.write_on_batch_end(None, None, fake_predict(batch), indices, batch, batch_idx, 0)
+    writer.save_rank(0, 2, 20)
+    with pytest.raises(PredictionError, match=r"rank00001-of-00002\.pt: missing; rank 1"):
+        merge_rank_files(tmp_path, 2, 20)
+
+
+def test_rank_files_for_another_dataset_are_refused(tmp_path):
+    run_ranks(tmp_path, 20, 4, 2)
+    with pytest.raises(PredictionError, match="written for 20 samples on 2 ranks"):
+        merge_rank_files(tmp_path, 2, 21)
+
+
+def test_bad_batches_are_refused_with_the_batch_named(tmp_path):
+    writer = ExactlyOncePredictionWriter(tmp_path)
+    with pytest.raises(PredictionError, match="batch 3: Lightning did not report"):
+        writer.write_on_batch_end(None, None, torch.zeros(2, 3), None, None, 3, 0)
+    with pytest.raises(PredictionError, match="batch 1: 2 prediction rows for 3"):
+        writer.write_on_batch_end(None, None, torch.zeros(2, 3), [4, 5, 6], None, 1, 0)
+    with pytest.raises(PredictionError, match="batch 0: predict_step returned a dict"):
+        writer.write_on_batch_end(None, None, {"a": 1}, [0], None, 0, 0)
+    with pytest.raises(PredictionError, match="one predict dataloader"):
+        writer.write_on_batch_end(None, None, torch.zeros(1, 3), [0], None, 0, 1)
+
+
+def test_files_are_written_atomically_and_load_safely(tmp_path):
+    run_ranks(tmp_path, 20, 4, 3)
+    leftovers = [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
+    assert leftovers == []
+    record = torch.load(rank_file(tmp_path, 1, 3), weights_only=True)
+    assert record["index"].dtype == torch.int64 and record["mask"].all()
+    assert record["values"].shape == (len(record["index"]), ROW)
+
+
+def test_read_predictions_without_a_merge_says_so(tmp_path):
+    with pytest.raises(PredictionError, match="predictions.pt: missing"):
+        read_predictions(tmp_path)
+
+
+SCRIPT = """
+import sys
+import numpy as np
+import torch
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+from tpu_helpers.lightning import ExactlyOncePredictionWriter, read_predictions
+
+
+class Linear(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4)
+
+    def predict_step(self, batch, batch_idx):
+        return self.lin(batch[0])
+
+
+if __name__ == "__main__":
+    world_size, out, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    torch.manual_seed(0)
+    x = torch.randn(n, 3)
+    model = Linear()  # same seed, same weights on every rank
+    writer = ExactlyOncePredictionWriter(out)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ddp",
+                        callbacks=[writer], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    returned = trainer.predict(model, DataLoader(TensorDataset(x), batch_size=4))
+    if trainer.is_global_zero:
+        with torch.no_grad():
+            reference = model.lin(x)
+        merged = read_predictions(out)
+        assert np.array_equal(merged.index, np.arange(n))
+        torch.testing.assert_close(merged.values, reference)
+        assert torch.equal(writer.predictions.values, merged.values)
+        # what trainer.predict itself returned on rank 0: only this rank's share
+        rows = sum(len(r) for r in returned)
+        print(f"OK world_size={trainer.world_size} rank0_returned_rows={rows} of {n}")
+"""
+
+
+@pytest.mark.slow
+def test_real_multiprocess_predict_with_gloo(tmp_path, repo):
+    """3 real processes (Lightning DDP on CPU, gloo): the writer merges all ranks' rows."""
+    script = tmp_path / "predict_ddp.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(repo), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), "3", str(out), "37"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK world_size=3 rank0_returned_rows=13 of 37" in proc.stdout, proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        "predictions.pt", "rank00000-of-00003.pt", "rank00001-of-00003.pt",
+        "rank00002-of-00003.pt"]
+
