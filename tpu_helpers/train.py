@@ -644,7 +644,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from tpu_helpers.env import configure_emulation
+    from tpu_helpers.env import EnvironmentProblem, configure_emulation
+
+    if not args.spmd and os.environ.get("XLA_USE_SPMD", "0") not in ("", "0"):
+        # xr.use_spmd() sets XLA_USE_SPMD=1, and child processes inherit it.
+        raise EnvironmentProblem(
+            "XLA_USE_SPMD is set in the environment (inherited from an SPMD process?) but "
+            "--spmd was not given, and torch_xla.launch cannot run under SPMD: pass --spmd "
+            "or unset XLA_USE_SPMD.")
 
     runtime = configure_emulation(num_devices=args.cpu_devices or (4 if args.spmd else 1))
     config = TrainConfig(
