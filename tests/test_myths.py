@@ -31,24 +31,25 @@ def test_removed_runtime_queries_are_gone():
     import torch_xla.runtime as xr
 
     assert not hasattr(xm, "xrt_world_size")  # removed in 2.7: the myth
-    assert not hasattr(xm, "get_ordinal")
+    assert not hasattr(xm, "get_ordinal")  # removed in 2.7 too
     assert callable(xr.world_size) and callable(xr.global_ordinal)
 
 
-def test_torch_xla_needs_neither_jax_nor_cloud_tpu_client():
+def test_torch_xla_needs_neither_jax_nor_the_retired_tpu_node_client():
     reqs = md.requires("torch_xla") or []
     base = [r for r in reqs if "extra ==" not in r]
     assert not any(r.split()[0].startswith("jax") for r in base)
-    assert not any("cloud-tpu-client" in r or "cloud_tpu_client" in r for r in reqs)
+    retired = ("cloud-tpu-client", "cloud_tpu_client")  # myth: for TPU Nodes, now retired
+    assert not any(name in r for name in retired for r in reqs)
 
 
-def test_lightning_tpu_cores_is_a_type_error_and_samplers_are_automatic():
+def test_lightning_removed_argument_and_automatic_samplers():
     import inspect
 
     import lightning as L
 
-    with pytest.raises(TypeError, match="tpu_cores"):
-        L.Trainer(tpu_cores=8)
+    with pytest.raises(TypeError, match="tpu_cores"):  # removed in Lightning 2.0: the myth
+        L.Trainer(tpu_cores=8)  # the myth: removed argument, a TypeError now
     assert inspect.signature(L.Trainer).parameters["use_distributed_sampler"].default is True
 
 
