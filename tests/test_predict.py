@@ -89,6 +89,26 @@ def test_chunks_in_any_order_and_split_give_the_same_result(n, world, batch, dat
 
 
 @FAST
+@given(n=sizes, world=worlds, batch=batches, data=st.data())
+def test_many_parts_at_once_equal_one_call(n, world, batch, data):
+    """``add_many`` (what ``predict`` does per chunk: one part per step) == exactly_once."""
+    index, mask, values = gathered_like_all_gather(n, batch, world)
+    cut = sorted(data.draw(st.sets(st.integers(1, max(1, index.shape[0] - 1)), max_size=5)))
+    bounds = [0, *[c for c in cut if c < index.shape[0]], index.shape[0]]
+    spans = zip(bounds[:-1], bounds[1:], strict=True)
+    parts = [(torch.from_numpy(index[a:b]), torch.from_numpy(mask[a:b]),
+              torch.from_numpy(values[a:b]).float()) for a, b in spans]
+    half = len(parts) // 2
+    buf = OrderedBuffer(n)
+    buf.add_many(parts[:half] + parts[:half])  # a repeated chunk: dropped, counted
+    buf.add_many(parts[half:])
+    out = buf.result()
+    np.testing.assert_array_equal(out.values, reference(np.arange(n)).astype(np.float32))
+    assert buf.duplicates == int(sum((p[1]).sum() for p in parts[:half]))
+    assert buf.padding_rows == index.size - n + int(sum((~p[1]).sum() for p in parts[:half]))
+
+
+@FAST
 @given(n=sizes, world=worlds, shuffle=st.booleans())
 def test_distributed_sampler_padding_duplicates_are_dropped(n, world, shuffle):
     """DistributedSampler pads by REPEATING samples and deals them out strided (or

@@ -189,6 +189,49 @@ class OrderedBuffer:
         nbytes = values.nbytes if isinstance(values, np.ndarray) else \
             values.nelement() * values.element_size()
         self.chunk_bytes_max = max(self.chunk_bytes_max, int(nbytes))
+        self._check_rows(rows)
+        again = self._seen[part.index]
+        self.duplicates += part.duplicates + int(again.sum())
+        new = part.index[~again]
+        self._values[new] = rows[~again]
+        self._seen[new] = True
+
+    def add_many(self, parts: Sequence[tuple[Any, Any, Any]]) -> None:
+        """``add`` for many ``(index, mask, values)`` parts at once (e.g. one per step of a
+        chunk) without concatenating their values: :func:`exactly_once` orders the parts'
+        row positions, then each part's rows are written straight into the result."""
+        if len(parts) <= 1:
+            if parts:
+                self.add(*parts[0])
+            return
+        indices = [_host_array(i, "index") for i, _, _ in parts]
+        for i, (_, _, v) in zip(indices, parts, strict=True):
+            if tuple(v.shape[: i.ndim]) != i.shape:
+                raise PredictionError(f"values have shape {tuple(v.shape)}; their leading "
+                                      f"dimensions must equal the index shape {i.shape}.")
+        index = np.concatenate([i.reshape(-1) for i in indices])
+        mask = np.concatenate([(i >= 0 if m is None else _host_array(m, "mask")).reshape(-1)
+                               for i, (_, m, _) in zip(indices, parts, strict=True)])
+        sizes = [i.size for i in indices]
+        part = exactly_once(index, mask, np.arange(index.size), n=self.n, complete=False)
+        self.padding_rows += index.size - int(part.index.size) - part.duplicates
+        again = self._seen[part.index]
+        self.duplicates += part.duplicates + int(again.sum())
+        dest, pos = part.index[~again], part.values[~again]
+        starts = np.cumsum([0, *sizes])
+        which = np.searchsorted(starts, pos, side="right") - 1
+        order = np.argsort(which, kind="stable")
+        bounds = np.cumsum([0, *np.bincount(which, minlength=len(parts))])
+        for k, (_, _, values) in enumerate(parts):
+            rows = _numpy_rows(values)
+            rows = rows.reshape(-1, *rows.shape[indices[k].ndim:])
+            self.chunk_bytes_max = max(self.chunk_bytes_max, int(rows.nbytes))
+            self._check_rows(rows)
+            take = order[bounds[k]:bounds[k + 1]]
+            self._values[dest[take]] = rows[pos[take] - starts[k]]
+            self._seen[dest[take]] = True
+
+    def _check_rows(self, rows: np.ndarray) -> None:
         if self._values is None:
             self._values = np.empty((self.n, *rows.shape[1:]), dtype=rows.dtype)
         elif rows.shape[1:] != self._values.shape[1:] or rows.dtype != self._values.dtype:
@@ -196,11 +239,6 @@ class OrderedBuffer:
                 f"rows of shape {rows.shape[1:]} / {rows.dtype} after rows of shape "
                 f"{self._values.shape[1:]} / {self._values.dtype}: every chunk must match."
             )
-        again = self._seen[part.index]
-        self.duplicates += part.duplicates + int(again.sum())
-        new = part.index[~again]
-        self._values[new] = rows[~again]
-        self._seen[new] = True
 
     def result(self) -> Ordered:
         if self._values is None:
@@ -288,7 +326,6 @@ class Backend(Protocol):
     def device_batches(self, batches: Iterable[dict[str, torch.Tensor]], x_dim: int
                        ) -> Iterable[dict[str, torch.Tensor]]: ...
     def gather_step(self, out: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]: ...
-    def end_step(self) -> None: ...
     def to_host(self, pending: list[list[torch.Tensor]]
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
     def gather_objects(self, obj: Any, tag: str) -> list[Any]: ...
@@ -333,10 +370,6 @@ class XlaReplicas:
         # short last batch. Traced into the step graph: no extra compile.
         return [xm.all_gather(out, dim=0), xm.all_gather(ids, dim=0)]
 
-    def end_step(self):
-        import torch_xla
-
-        torch_xla.sync()
 
     def to_host(self, pending):
         return _pairs(_fetch([t for pair in pending for t in pair]))
@@ -394,10 +427,6 @@ class SpmdMesh:
         xs.mark_sharding(out, self.mesh, self._spec(out.dim()))  # rows stay where they are
         return [out, ids]
 
-    def end_step(self):
-        import torch_xla
-
-        torch_xla.sync()
 
     def to_host(self, pending):
         import torch_xla
@@ -465,8 +494,6 @@ class TorchDistributedReplicas:
             gathered.append(torch.cat(parts))
         return gathered
 
-    def end_step(self):
-        return None
 
     def to_host(self, pending):
         return _pairs(_fetch([t for pair in pending for t in pair]))
@@ -675,6 +702,12 @@ def predict_loader(model: torch.nn.Module, loader, n: int, *, backend: Backend |
     try:
         with torch.no_grad():
             for step, batch in enumerate(backend.device_batches(checked, x_dim)):
+                # Fetching this batch ran the previous step's graph (MpDeviceLoader calls
+                # torch_xla.sync() before each batch and once after the last): everything
+                # pending is on the device now, so a flush is a pure transfer.
+                if pending and len(pending) >= chunk_steps:
+                    _flush(backend, pending, buffer, writer)
+                    pending = []
                 x, ids = batch["x"], batch["ids"]
                 out = model(x)
                 spec = _check_output(out, spec, int(x.shape[0]), step, ids)
@@ -685,16 +718,12 @@ def predict_loader(model: torch.nn.Module, loader, n: int, *, backend: Backend |
                     chunk_steps = max(1, chunk_bytes // step_bytes)
                 if writer is not None:  # own rows only, no collective
                     pending.append([out, ids])
-                    backend.end_step()
-                elif keep:
-                    pending.append(backend.gather_step(out, ids))
-                    backend.end_step()
-                else:  # the gather is a collective: every replica runs it
-                    backend.gather_step(out, ids)
-                    backend.end_step()
-                if len(pending) >= chunk_steps:
-                    _flush(backend, pending, buffer, writer)
-                    pending = []
+                else:
+                    # A collective: every replica runs it, in the same graph (``gathered``
+                    # stays referenced until the next sync, so XLA cannot prune it).
+                    gathered = backend.gather_step(out, ids)
+                    if keep:
+                        pending.append(gathered)
                 steps += 1
         if checked.error is not None:
             raise checked.error
@@ -734,8 +763,7 @@ def _flush(backend: Backend, pending: list[list[torch.Tensor]], buffer: OrderedB
     if writer is not None:
         writer.write(list(parts))
         return
-    for out, ids in parts:
-        buffer.add(ids[:, 0], ids[:, 1] != 0, out)
+    buffer.add_many([(ids[:, 0], ids[:, 1] != 0, out) for out, ids in parts])
 
 
 def predict(model: torch.nn.Module, dataset, batch_size: int, *,
@@ -775,13 +803,15 @@ def predict(model: torch.nn.Module, dataset, batch_size: int, *,
     from tpu_helpers.data import make_eval_loader
 
     backend = backend if backend is not None else default_backend(mesh)
+    item = dataset[0]
+    if not (isinstance(item, tuple | list) and len(item) == 2):
+        dataset = _InputsOnly(dataset)  # make_eval_loader wants (x, y) items
     if isinstance(backend, SpmdMesh):  # one global batch per step, sharded by the loader
-        loader = make_eval_loader(_InputsOnly(dataset), batch_size * backend.data_size,
+        loader = make_eval_loader(dataset, batch_size * backend.data_size,
                                   world_size=1, rank=0, num_workers=num_workers)
     else:
-        loader = make_eval_loader(_InputsOnly(dataset), batch_size,
-                                  world_size=backend.world_size, rank=backend.rank,
-                                  num_workers=num_workers)
+        loader = make_eval_loader(dataset, batch_size, world_size=backend.world_size,
+                                  rank=backend.rank, num_workers=num_workers)
     return predict_loader(model, loader, n, backend=backend, chunk_bytes=chunk_bytes,
                           all_ranks=all_ranks, columns=columns, csv_path=csv_path,
                           shard_dir=shard_dir)
