@@ -10,6 +10,7 @@ Command line::
 
     python -m tpu_helpers.notebook_template --check notebooks   # exit 1 on any problem
     python -m tpu_helpers.notebook_template --write notebooks   # re-render badges + setup
+    python -m tpu_helpers.notebook_template --write notebooks/03_multicore_training.ipynb
     python -m tpu_helpers.notebook_template --strip notebooks   # drop outputs and counts
 """
 
@@ -217,11 +218,13 @@ def main(argv: Iterable[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true")
     mode.add_argument("--write", action="store_true")
     mode.add_argument("--strip", action="store_true")
-    ap.add_argument("folder", nargs="?", default="notebooks")
+    ap.add_argument("paths", nargs="*", default=["notebooks"],
+                    help="notebook files, or folders of NN_*.ipynb notebooks")
     args = ap.parse_args(list(argv) if argv is not None else None)
-    paths = notebooks(args.folder)
+    paths = [p for arg in args.paths
+             for p in (notebooks(arg) if Path(arg).is_dir() else [Path(arg)])]
     if not paths:
-        print(f"no NN_*.ipynb notebooks in {args.folder}", file=sys.stderr)
+        print(f"no NN_*.ipynb notebooks in {' '.join(args.paths)}", file=sys.stderr)
         return 1
     bad = 0
     for p in paths:
