@@ -616,16 +616,20 @@ class _CheckedBatches:
     def __init__(self, loader, batch_size: int) -> None:
         self.loader, self.batch_size = loader, batch_size
         self.error: BaseException | None = None
-
-    def __len__(self) -> int:
-        return len(self.loader)
+        self.first_indices: dict[int, list[int]] = {}  # per step, for error messages
 
     def __iter__(self):
         try:
             for step, batch in enumerate(self.loader):
-                yield pack_batch(batch, step, self.batch_size)
+                packed = pack_batch(batch, step, self.batch_size)
+                self.first_indices[step] = batch[-2][batch[-1]][:4].tolist()
+                self.first_indices.pop(step - 256, None)  # MpDeviceLoader runs < 30 ahead
+                yield packed
         except Exception as exc:
             self.error = exc
+
+    def __len__(self) -> int:
+        return len(self.loader)
 
 
 def _first_batch(loader) -> tuple[int, int]:
@@ -649,7 +653,7 @@ class _Spec:
 
 
 def _check_output(out: Any, spec: _Spec | None, rows: int, step: int,
-                  ids: torch.Tensor) -> _Spec:
+                  first_indices: list[int]) -> _Spec:
     """Shape/dtype checks at trace time: the graph is not compiled yet."""
     if not isinstance(out, torch.Tensor):
         raise PredictionError(
@@ -663,10 +667,9 @@ def _check_output(out: Any, spec: _Spec | None, rows: int, step: int,
         )
     got = _Spec(tuple(out.shape), out.dtype)
     if spec is not None and got != spec:
-        first = _fetch([ids])[0][:4, 0].tolist()  # input data: a transfer, not a compile
         raise PredictionError(
             f"the model output changed from {list(spec.shape)} {spec.dtype} at step 0 to "
-            f"{list(got.shape)} {got.dtype} at step {step} (dataset indices {first}...): a "
+            f"{list(got.shape)} {got.dtype} at step {step} (dataset indices {first_indices}...): a "
             "new shape compiles another graph and makes all_gather hang on the other "
             "replicas; return a fixed shape (pad inside the model)."
         )
@@ -710,7 +713,8 @@ def predict_loader(model: torch.nn.Module, loader, n: int, *, backend: Backend |
                     pending = []
                 x, ids = batch["x"], batch["ids"]
                 out = model(x)
-                spec = _check_output(out, spec, int(x.shape[0]), step, ids)
+                spec = _check_output(out, spec, int(x.shape[0]), step,
+                                     checked.first_indices.get(step, []))
                 if step == 0:
                     per_row = out[0].nelement() * out.element_size() + ids[0].nelement() * 4
                     step_bytes = per_row * int(x.shape[0]) * (
