@@ -19,6 +19,7 @@ from tpu_helpers.metrics import (
     CompileCause,
     Counts,
     LimitExceeded,
+    measure_steps,
     metrics_delta,
     metrics_frame,
     parse_compile_analysis,
@@ -277,3 +278,14 @@ def test_enable_compile_analysis_names_cause_and_frame_in_the_error(tmp_path):
     assert "TOO LATE: enable_compile_analysis() must run before the first XLA compile" in out
     # ones(4, 4) on the device, step(8), step(5), step(6): four compiles in the file
     assert (tmp_path / "analysis.txt").read_text().count("Compilation Cause") == 4
+
+
+def test_measure_steps_counts_after_warmup(device, train_step):
+    batches = [_batch(device, 16, seed) for seed in range(5)]
+    steady = measure_steps(train_step, batches)
+    assert steady.steps == 3 and steady.counts.compiles == 0
+    assert steady.row()["executions/step"] == 1.0 and steady.row()["device-to-host/step"] == 0
+    ragged = measure_steps(train_step, [*batches, _batch(device, 9)])
+    assert ragged.counts.compiles == 1  # the short last batch: a new graph after warm-up
+    with pytest.raises(ValueError, match="more than 2 batches"):
+        measure_steps(train_step, batches[:2])

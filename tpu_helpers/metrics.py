@@ -25,7 +25,7 @@ import re
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -101,16 +101,31 @@ def _units_from_report(report: str) -> dict[str, str]:
     return units
 
 
-def metrics_frame() -> pd.DataFrame:
+def _settle() -> None:
+    """Wait for queued executions (their metrics are posted when they finish), if any."""
+    import torch_xla
+
+    if torch_xla._XLAC._xla_runtime_is_initialized():
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+
+def metrics_frame(settle: bool = True) -> pd.DataFrame:
     """The full ``torch_xla`` metrics report as a DataFrame, one row per counter / metric.
 
     Index ``name``; columns ``kind`` ("counter" or "metric"), ``count`` (a counter's value,
     or how many samples a metric recorded, e.g. number of compiles for ``CompileTime``),
     ``total`` (a metric's accumulated value: seconds for times, bytes for data sizes;
-    NaN for counters) and ``unit``.
+    NaN for counters) and ``unit``. With ``settle`` it first waits for queued device work:
+    executions are asynchronous and ``ExecuteTime`` is recorded when one finishes (even
+    ``.item()`` can return before that).
     """
     import pandas as pd
     import torch_xla.debug.metrics as met
+
+    if settle:
+        _settle()
 
     units = _units_from_report(met.metrics_report())
     rows = []
@@ -428,15 +443,13 @@ def track(
     ...     train_one_epoch()
     >>> t.counts.executions                                 # doctest: +SKIP
     """
-    import torch_xla.core.xla_model as xm
-
     if record_host_syncs is None:
         record_host_syncs = max_transfers_from_device is not None
     analysis = _analysis_file()
-    xm.wait_device_ops()  # executions are asynchronous: settle them before counting
+    _settle()  # executions are asynchronous: settle them before counting
     before = snapshot()
     before_ops = fallback_op_counts()
-    before_frame = metrics_frame() if report else None
+    before_frame = metrics_frame(settle=False) if report else None
     offset = _file_size(analysis)
     result = Tracked(compile_analysis_on=analysis is not None)
     recorder = _host_sync_recorder(result.host_syncs) if record_host_syncs else None
@@ -445,13 +458,13 @@ def track(
             yield result
     else:
         yield result
-    xm.wait_device_ops()
+    _settle()
     result.counts = snapshot() - before
     after_ops = fallback_op_counts()
     result.fallback_ops = {n: k - before_ops.get(n, 0) for n, k in after_ops.items()
                            if k - before_ops.get(n, 0) > 0}
     if before_frame is not None:
-        result.report = metrics_delta(before_frame, metrics_frame())
+        result.report = metrics_delta(before_frame, metrics_frame(settle=False))
     if analysis is not None and result.counts.compiles:
         with open(analysis, encoding="utf-8", errors="replace") as fh:
             fh.seek(offset)
@@ -466,3 +479,62 @@ def track(
     if broken:
         raise LimitExceeded(f"{what}: " + "; ".join(broken) + ".\n" + result.explain()
                             + f"\nAll counts: {c.as_dict()}")
+
+
+# --------------------------------------------------------------------------- per-step cost
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What a loop cost per step after its warm-up steps (see :func:`measure_steps`)."""
+
+    steps: int
+    seconds: float
+    warmup_seconds: float
+    counts: Counts
+    fallback_ops: dict[str, int] = field(default_factory=dict)
+
+    def row(self) -> dict[str, float]:
+        """One table row: compiles after warm-up, then per-step averages."""
+        n = max(self.steps, 1)
+        c = self.counts
+        return {
+            "compiles after warm-up": c.compiles,
+            "executions/step": c.executions / n,
+            "device-to-host/step": c.transfers_from_device / n,
+            "CPU fallbacks/step": c.fallback_ops / n,
+            "ms/step": 1e3 * self.seconds / n,
+            "warm-up ms": 1e3 * self.warmup_seconds,
+        }
+
+
+def measure_steps(step: Callable[..., object], batches: Sequence[Sequence[Any]],
+                  warmup: int = 2) -> StepCost:
+    """Run ``step(*batch)`` for every batch; count and time all but the first ``warmup``.
+
+    Two warm-up steps by default: the first step often traces a different graph than the
+    rest (optimizer state is created; a 0-dim tensor holding 0 or 1 is baked into the
+    graph as a constant until a sync turns it into device data), so a healthy loop may
+    compile twice before it settles. Each step should end the way your loop does (e.g.
+    with ``torch_xla.sync()``); the time includes waiting for the device at the end.
+    """
+    import time
+
+    import torch_xla.core.xla_model as xm
+
+    if len(batches) <= warmup:
+        raise ValueError(f"measure_steps needs more than {warmup} batches, got {len(batches)}")
+    xm.wait_device_ops()
+    start = time.perf_counter()
+    for batch in batches[:warmup]:
+        step(*batch)
+    xm.wait_device_ops()
+    warm = time.perf_counter() - start
+    with track() as t:
+        start = time.perf_counter()
+        for batch in batches[warmup:]:
+            step(*batch)
+        xm.wait_device_ops()
+        seconds = time.perf_counter() - start
+    return StepCost(steps=len(batches) - warmup, seconds=seconds, warmup_seconds=warm,
+                    counts=t.counts, fallback_ops=t.fallback_ops)
