@@ -25,10 +25,11 @@ from tpu_helpers.train import TrainConfig, max_abs_diff
 STEPS = 16
 
 
-def _train_cmd(out: Path, *extra: str) -> list[str]:
+def _train_cmd(out: Path, *extra: str, checkpoint_every: int = 3) -> list[str]:
     return [sys.executable, "-m", "tpu_helpers.train", "--out-dir", str(out),
-            "--batch-size", "128", "--max-steps", str(STEPS), "--checkpoint-every", "3",
-            "--log-every", "4", "--progress", "lines", "--start-method", "fork", *extra]
+            "--batch-size", "128", "--max-steps", str(STEPS),
+            "--checkpoint-every", str(checkpoint_every), "--log-every", "4",
+            "--progress", "lines", "--start-method", "fork", *extra]
 
 
 def _popen(cmd: list[str]) -> subprocess.Popen[str]:
@@ -46,8 +47,9 @@ def test_sigkill_at_a_random_step_then_resume_gives_bit_identical_weights(tmp_pa
     kill_at = random.Random().randint(4, STEPS - 1)
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     cache = tmp_path / "xla-cache"
-    # The uninterrupted run and the run to be killed start together (2 cores).
-    ref = _popen(_train_cmd(whole, "--compile-cache", "off"))
+    # The uninterrupted run and the run to be killed start together (2 cores). The
+    # reference does not checkpoint mid-epoch at all: the schedule must not matter.
+    ref = _popen(_train_cmd(whole, "--compile-cache", "off", checkpoint_every=0))
     victim = _popen(_train_cmd(killed, "--compile-cache", str(cache)))
     seen = []
     try:

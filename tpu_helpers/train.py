@@ -135,6 +135,15 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torc
     return xm.all_reduce(xm.REDUCE_SUM, stats)  # a clone with one replica / under SPMD
 
 
+def step_seed(seed: int, step: int, replica: int = 0) -> int:
+    """The device RNG seed for global step ``step`` of replica ``replica`` of a run.
+
+    Replicas get different seeds, so their dropout masks are independent (each replica
+    sees other rows; the same mask pattern everywhere would correlate them).
+    """
+    return ((seed % 2**23) * 2**28 + step % 2**28) * 2**12 + replica % 2**12
+
+
 def train_epoch(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -144,6 +153,9 @@ def train_epoch(
     on_log: Callable[[int, torch.Tensor], None] | None = None,
     after_step: Callable[[int], None] | None = None,
     max_batches: int | None = None,
+    seed: int | None = None,
+    first_step: int = 0,
+    replica: int = 0,
 ) -> torch.Tensor:
     """Train over device ``batches``; return the epoch's ``[loss_sum, correct, count]``.
 
@@ -153,6 +165,12 @@ def train_epoch(
     running totals as a materialised device tensor (read it with ``.cpu()``: that is the
     only device-to-host transfer of the loop). ``after_step(k)`` runs on the host right
     after step ``k`` is traced (progress bars, checkpoints). Stops after ``max_batches``.
+
+    With ``seed``, the device RNG (dropout) is set to
+    ``step_seed(seed, first_step + k, replica)`` before step ``k``: the random numbers
+    then depend only on the seed, the global step and the replica, not on how many syncs
+    or checkpoints came before, so a resumed run draws exactly what an uninterrupted one
+    draws. (The seed is a graph input, not a constant: no recompiles.)
     """
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -162,6 +180,8 @@ def train_epoch(
     totals = torch.zeros(3).to(device)  # device data, not a graph op: same graph every step
     k = 0
     for x, y in batches:
+        if seed is not None:
+            xm.set_rng_state(step_seed(seed, first_step + k + 1, replica))
         totals = totals + train_step(model, optimizer, x, y)
         k += 1
         if on_log is not None and k % log_every == 0:
@@ -191,10 +211,11 @@ def evaluate(model: torch.nn.Module,
             logits = model(x)
             m = mask.to(logits.dtype)
             loss = F.cross_entropy(logits, y, reduction="none")
-            totals = totals + torch.stack([(loss * m).sum(),
-                                           ((logits.argmax(1) == y) & mask).sum().to(m.dtype),
-                                           m.sum()])
-    return xm.all_reduce(xm.REDUCE_SUM, totals)
+            stats = torch.stack([(loss * m).sum(),
+                                 ((logits.argmax(1) == y) & mask).sum().to(m.dtype), m.sum()])
+            # reduced inside the step graph: no extra graph (and compile) after the loop
+            totals = totals + xm.all_reduce(xm.REDUCE_SUM, stats)
+    return totals
 
 
 class SkipBatches:
@@ -349,7 +370,7 @@ def fit(config: TrainConfig) -> dict[str, Any]:
 
     torch.manual_seed(config.seed)
     model = DigitsCNN().to(device)
-    xm.set_rng_state(config.seed)  # dropout draws from the XLA device RNG
+    xm.set_rng_state(config.seed)  # train_epoch re-seeds it from (seed, step) every step
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
 
@@ -365,6 +386,7 @@ def fit(config: TrainConfig) -> dict[str, Any]:
     }
     epoch, skip, step = 0, 0, 0
     epoch_rng = None
+    saved_at: list[int] = []  # steps checkpointed by this process (same on every replica)
     if ckpts is not None and config.resume:
         ckpt, path = ckpts.load_latest()
         if ckpt is not None:
@@ -413,6 +435,7 @@ def fit(config: TrainConfig) -> dict[str, Any]:
                 config.checkpoint_every and step % config.checkpoint_every == 0)
             if ckpts is not None and due and skip + k < steps_per_epoch:
                 ckpts.save(state_now(this_epoch, skip + k, epoch_rng), step)
+                saved_at.append(step)
             if logger.bar is not None:
                 logger.bar.update(1)
             elif is_master and config.progress == "lines":
@@ -425,10 +448,11 @@ def fit(config: TrainConfig) -> dict[str, Any]:
             train_totals = train_epoch(model, optimizer, device_batches,
                                        log_every=config.log_every,
                                        on_log=logger if is_master else None,
-                                       after_step=after_step, max_batches=run_now)
+                                       after_step=after_step, max_batches=run_now,
+                                       seed=config.seed, first_step=first, replica=rank)
         train_seconds = time.perf_counter() - started
         if skip + run_now < steps_per_epoch:  # stopped by max_steps inside the epoch
-            if ckpts is not None:
+            if ckpts is not None and saved_at[-1:] != [step]:
                 ckpts.save(state_now(epoch, skip + run_now, epoch_rng), step)
             break
         with track() as eval_counts:
