@@ -525,35 +525,40 @@ class ReplicaFailed(RuntimeError):
 class _Reported:
     """Picklable per-replica wrapper: record start, exceptions and native crashes per rank."""
 
+    _crash_files: dict[str, Any] = {}  # per process: the file faulthandler writes to
+
     def __init__(self, fn: Callable[..., Any], report_dir: str) -> None:
         self.fn, self.report_dir = fn, report_dir
 
+    def _watch_crashes(self) -> None:
+        # One faulthandler file per process (v2/v3 run 2 replicas as threads of a process).
+        crash = str(Path(self.report_dir) / f"pid-{os.getpid()}.crash")
+        if crash not in self._crash_files:
+            self._crash_files[crash] = open(crash, "w")  # noqa: SIM115 (lives with the process)
+            faulthandler.enable(file=self._crash_files[crash], all_threads=True)
+
     def __call__(self, rank: int, *args: Any) -> Any:
         base = Path(self.report_dir) / f"rank-{rank}"
-        faults = open(f"{base}.crash", "w")  # noqa: SIM115 (must outlive this frame)
-        faulthandler.enable(file=faults, all_threads=True)
-        Path(f"{base}.started").touch()
+        self._watch_crashes()
+        Path(f"{base}.started").write_text(str(os.getpid()))
         try:
             result = self.fn(rank, *args)
         except BaseException as exc:
             details = traceback.format_exc()
             Path(f"{base}.error").write_text(details)
             raise ReplicaFailed(rank, f"{type(exc).__name__}: {exc}", details) from None
-        finally:
-            faulthandler.disable()
-            faults.close()
         Path(f"{base}.done").touch()
         return result
 
 
 def _crash_report(report_dir: Path) -> tuple[int | None, str]:
-    """Which rank started but never finished, and its faulthandler dump if any."""
+    """Which rank started but never finished, and its process's faulthandler dump if any."""
     for started in sorted(report_dir.glob("rank-*.started")):
         rank = int(started.name.split("-")[1].split(".")[0])
         base = report_dir / f"rank-{rank}"
         if Path(f"{base}.done").exists() or Path(f"{base}.error").exists():
             continue
-        crash = Path(f"{base}.crash")
+        crash = report_dir / f"pid-{started.read_text().strip()}.crash"
         dump = crash.read_text().strip() if crash.exists() else ""
         return rank, dump
     return None, ""
@@ -615,7 +620,13 @@ def train(config: TrainConfig, *, start_method: str = "fork") -> RunResult:
         history = fit(config)
     else:
         launch(_replica_main, args=(config,), start_method=start_method)
-        history = json.loads((out / "history.json").read_text())
+        summary = out / "history.json"
+        if not summary.is_file():
+            raise FileNotFoundError(
+                f"{summary} was not written on this host: with storage='shared' only global "
+                "ordinal 0 writes, so OUT_DIR must be a folder every host sees (NFS, a "
+                "mounted bucket); for each host's own disk use storage='local'.")
+        history = json.loads(summary.read_text())
     return RunResult(history=history, out_dir=out)
 
 
