@@ -92,7 +92,8 @@ class TrainConfig:
     resume: bool = True
     #: "bar" (one tqdm bar on the master), "lines" ("step k/n" lines), or "none".
     progress: str = "bar"
-    #: Persistent compile cache folder, "auto" (compile_cache_dir()) or None (off).
+    #: Persistent compile cache folder, "auto" (compile_cache_dir() on a TPU, off without
+    #: one: XLA:CPU cannot read its cache back) or None (off).
     compile_cache: str | None = None
     #: Data folder (default: the repo's data/ or $TPU_NB_DATA).
     data_root: str | None = None
@@ -330,7 +331,7 @@ def fit(config: TrainConfig) -> dict[str, Any]:
     import torch_xla.distributed.parallel_loader as pl
     import torch_xla.runtime as xr
 
-    from tpu_helpers.compile_cache import cache_counters, enable_compile_cache
+    from tpu_helpers.compile_cache import cache_counters, compile_cache_dir, enable_compile_cache
     from tpu_helpers.data import ArrayDataset, load_digits, make_eval_loader, make_train_loader
     from tpu_helpers.metrics import track
     from tpu_helpers.models import DigitsCNN
@@ -339,9 +340,14 @@ def fit(config: TrainConfig) -> dict[str, Any]:
         raise RuntimeError(
             "config.spmd=True needs xr.use_spmd() first" if config.spmd else
             "this process is in SPMD mode: pass config.spmd=True (or run under launch)")
-    if config.compile_cache:
-        enable_compile_cache(None if config.compile_cache == "auto" else config.compile_cache,
-                             replica=None if config.spmd else xr.global_ordinal())
+    cache = config.compile_cache
+    if cache == "auto":
+        from tpu_helpers.env import detect_runtime
+
+        # Without a TPU the cache is written but cannot be read back (XLA:CPU, 2.9): skip.
+        cache = str(compile_cache_dir().path) if detect_runtime().has_tpu else None
+    if cache:
+        enable_compile_cache(cache, replica=None if config.spmd else xr.global_ordinal())
     world, rank, devices = _replica_layout(config.spmd)
     for name in ("batch_size", "eval_batch_size"):
         size = getattr(config, name)
@@ -665,8 +671,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     p.add_argument("--progress", choices=PROGRESS_KINDS, default=d.progress)
     p.add_argument("--compile-cache", default="auto", metavar="auto|off|PATH",
-                   help="persistent XLA compile cache (default: auto = per runtime, "
-                        "see tpu_helpers.compile_cache)")
+                   help="persistent XLA compile cache (default: auto = on a TPU the "
+                        "per-runtime folder of tpu_helpers.compile_cache, off on XLA:CPU "
+                        "which cannot read it back; a PATH is always used)")
     p.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
                    help="how torch_xla.launch starts replicas (default %(default)s)")
     p.add_argument("--cpu-devices", type=int, default=None,
