@@ -1,0 +1,519 @@
+"""Training benchmark: one model, one dataset, five training loops, one table.
+
+    python -m benchmarks.bench_training            # full run (a few minutes)
+    python -m benchmarks.bench_training --quick    # CI-sized
+
+Every row trains ``tpu_helpers.models.DigitsCNN`` on the shipped digits (train split,
+1,437 images) with batch 64 for the same number of epochs:
+
+  (a) seed 002's loop as written: ``ParallelLoader``, Adam, ``loss.item()`` every 10 steps,
+      no ``drop_last``. Only names that were removed are replaced (``xm.xla_device`` ->
+      ``torch_xla.device()``, ``xm.xrt_world_size`` -> ``xr.world_size()``, ``nprocs=8`` ->
+      default) plus the one change without which it does not run at all: a
+      ``ParallelLoader`` is not iterable (``TypeError``), so the loop iterates
+      ``para_loader.per_device_loader(device)``. As written, the one ``ParallelLoader`` is
+      created before the epoch loop and is exhausted after the first epoch, so the loop
+      trains ONE epoch whatever ``num_epochs`` says (the "steps run" column shows it).
+  (b) the canonical upstream pattern (pytorch/xla ``test/test_train_mp_mnist.py``):
+      ``MpDeviceLoader``, SGD with momentum, ``xm.optimizer_step``, ``xm.RateTracker`` and
+      ``xm.add_step_closure`` logging every 20 steps, upstream's flag defaults
+      (``drop_last`` off), except ``num_workers=0`` (upstream's 4 worker processes only
+      add start-up cost for in-memory data on a 2-core machine: this is the strongest
+      version of the baseline) and ``xr.using_pjrt()`` (removed; PJRT is the only runtime).
+  (c) Lightning's ``Trainer`` on XLA: ``Trainer(**tpu_helpers.lightning.trainer_kwargs(1))``
+      with ``DigitsLightningModule`` (loss logged per epoch, no per-step sync), progress bar
+      on (its output hidden), checkpointing and logger off, plain ``DataLoader``.
+  (d) ours: ``tpu_helpers.train.train_epoch`` (the loop ``fit`` and notebook 03 use) over
+      ``MpDeviceLoader(make_train_loader(...))``, AdamW, logging every 20 steps in a step
+      closure, one summary read per epoch.
+  (e) the ceiling: ``tpu_helpers.train.train_step`` on batches already on the device, one
+      sync per step, no loader, no logging.
+
+Each row runs in its own fresh Python process (its compile counts and peak host RSS are
+its own), calling the per-process training function directly (world size 1: what
+``torch_xla.launch`` / ``xmp.spawn`` would run in its one child on this machine). In that
+process: one cold run (compiles), then ``repeats`` warm runs; each run is timed from the
+start of its epoch loop until the device has finished the last step. Full mode runs two
+rounds (rows a-e, then e-a) so drifting load on a shared machine hits every row; the
+table shows the median steps/s and the min-max of all warm runs.
+
+Columns: steps/s (median), ratio to (d) and to (e), compiles during the first two steps
+(warm-up, model set-up included) and after them, device-to-host transfers and graph
+executions per step (warm runs; more than one execution per step means the host cut the
+graph), CPU milliseconds per step (all threads of the process: much less inflated by other
+load than wall time), peak host RSS of the row's process, steps run per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BATCH_SIZE = 64
+#: Ours and the upstream pattern log every 20 steps (upstream's default log_steps).
+LOG_EVERY = 20
+#: Compiles in the first WARMUP_STEPS steps count as warm-up.
+WARMUP_STEPS = 2
+
+ROWS = {
+    "a": "(a) seed 002 loop as written",
+    "b": "(b) upstream test_train_mp_mnist pattern",
+    "c": "(c) Lightning Trainer on XLA",
+    "d": "(d) ours: tpu_helpers.train",
+    "e": "(e) ceiling: compiled step, data on device",
+}
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class _Window:
+    """Times one run's epoch loop and counts what XLA did in it (used by every row)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.seconds = 0.0
+        self.cpu_seconds = 0.0
+        self._c0 = 0.0
+        self.counts: Any = None
+        self.at_warmup: Any = None
+        self.end: Any = None
+        self._t0 = 0.0
+        self._start: Any = None
+
+    def start(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        from tpu_helpers.metrics import snapshot
+
+        xm.wait_device_ops()
+        self._start = snapshot()
+        self._t0 = time.perf_counter()
+        self._c0 = time.process_time()
+
+    def step(self) -> None:
+        """Called once per training step, after the step was traced (pure Python)."""
+        self.steps += 1
+        if self.steps == WARMUP_STEPS + 1:  # steps 1..WARMUP_STEPS are compiled by now
+            from tpu_helpers.metrics import snapshot
+
+            self.at_warmup = snapshot()
+
+    def stop(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        from tpu_helpers.metrics import snapshot
+
+        xm.wait_device_ops()
+        self.seconds = time.perf_counter() - self._t0
+        self.cpu_seconds = time.process_time() - self._c0
+        self.end = snapshot()
+        self.counts = self.end - self._start
+
+
+BENCH = _Window()
+
+
+# --------------------------------------------------------------------------- (a) seed 002
+
+
+def seed_article_row(epochs: int, images, labels) -> None:
+    """Seed 002's second listing, as written; changes are marked ``# seed:``."""
+    import torch
+    import torch.nn as nn
+    import torch.optim as optim
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.parallel_loader as pl
+    import torch_xla.runtime as xr
+    from torch.utils.data import DataLoader, Dataset
+
+    from tpu_helpers.models import DigitsCNN
+
+    class CustomDataset(Dataset):
+        def __init__(self, data, targets):
+            self.data = data
+            self.targets = targets
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, idx):
+            return (torch.tensor(self.data[idx], dtype=torch.float32),
+                    torch.tensor(self.targets[idx], dtype=torch.long))
+
+    dataset = CustomDataset(images, labels)  # seed: the dummy lists / image files
+
+    def train_loop(index, flags):
+        device = torch_xla.device()  # seed: xm.xla_device() (deprecated)
+        model = DigitsCNN().to(device)  # seed: SimpleModel / ConvModel
+        optimizer = optim.Adam(model.parameters(), lr=0.01)
+        criterion = nn.CrossEntropyLoss()
+
+        # seed: xm.xrt_world_size() (removed in 2.7)
+        data_loader = DataLoader(dataset, batch_size=flags['batch_size'] // xr.world_size(),
+                                 shuffle=True)
+        para_loader = pl.ParallelLoader(data_loader, [device])
+
+        num_epochs = flags['num_epochs']  # seed: 5
+        BENCH.start()
+        for epoch in range(num_epochs):
+            # seed: enumerate(para_loader) -> TypeError: 'ParallelLoader' object is not iterable
+            for batch_idx, (data, target) in enumerate(para_loader.per_device_loader(device)):
+                optimizer.zero_grad()
+                output = model(data)
+                loss = criterion(output, target)
+                loss.backward()
+                xm.optimizer_step(optimizer)
+
+                if batch_idx % 10 == 0:
+                    xm.master_print(f"Epoch {epoch}, Batch {batch_idx}: Loss {loss.item()}")
+                BENCH.step()
+        BENCH.stop()
+
+    FLAGS = {}
+    FLAGS['batch_size'] = BATCH_SIZE  # seed: 8 (a per-core batch of 1 on 8 cores)
+    FLAGS['num_epochs'] = epochs
+    # seed: xmp.spawn(train_loop, args=(FLAGS,), nprocs=8, start_method='fork'); nprocs may
+    # only be 1 or None, and on this machine the spawn runs one process: we call its function.
+    train_loop(0, FLAGS)
+
+
+# --------------------------------------------------------------------------- (b) upstream
+
+
+def upstream_row(epochs: int, images, labels) -> None:
+    """pytorch/xla test/test_train_mp_mnist.py's training, current names; see module doc."""
+    import torch
+    import torch.nn as nn
+    import torch.optim as optim
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.parallel_loader as pl
+    import torch_xla.runtime as xr
+    import torch_xla.test.test_utils as test_utils
+
+    from tpu_helpers.data import ArrayDataset
+    from tpu_helpers.models import DigitsCNN
+
+    flags = SimpleNamespace(batch_size=BATCH_SIZE, num_epochs=epochs, num_workers=0,
+                            drop_last=False, lr=0.01, momentum=0.5, log_steps=LOG_EVERY,
+                            async_closures=False)
+
+    def _train_update(device, step, loss, tracker, epoch, writer):
+        test_utils.print_training_update(device, step, loss.item(), tracker.rate(),
+                                         tracker.global_rate(), epoch, summary_writer=writer)
+
+    def train_mnist(flags):
+        torch.manual_seed(1)
+        train_dataset = ArrayDataset(images, labels)  # upstream: torchvision MNIST
+        train_sampler = None
+        if xr.world_size() > 1:
+            train_sampler = torch.utils.data.distributed.DistributedSampler(
+                train_dataset, num_replicas=xr.world_size(), rank=xr.global_ordinal(),
+                shuffle=True)
+        train_loader = torch.utils.data.DataLoader(
+            train_dataset, batch_size=flags.batch_size, sampler=train_sampler,
+            drop_last=flags.drop_last, shuffle=False if train_sampler else True,
+            num_workers=flags.num_workers)
+
+        lr = flags.lr * xr.world_size()
+        device = torch_xla.device()
+        model = DigitsCNN().to(device)  # upstream: MNIST()
+        xm.broadcast_master_param(model)  # upstream: `if xr.using_pjrt():` (removed)
+        writer = None
+        optimizer = optim.SGD(model.parameters(), lr=lr, momentum=flags.momentum)
+        loss_fn = nn.CrossEntropyLoss()  # upstream: NLLLoss on its model's log_softmax
+
+        def train_loop_fn(loader, epoch):
+            tracker = xm.RateTracker()
+            model.train()
+            for step, (data, target) in enumerate(loader):
+                optimizer.zero_grad()
+                output = model(data)
+                loss = loss_fn(output, target)
+                loss.backward()
+                xm.optimizer_step(optimizer)
+                tracker.add(flags.batch_size)
+                if step % flags.log_steps == 0:
+                    xm.add_step_closure(_train_update,
+                                        args=(device, step, loss, tracker, epoch, writer),
+                                        run_async=flags.async_closures)
+                BENCH.step()
+
+        train_device_loader = pl.MpDeviceLoader(train_loader, device)
+        BENCH.start()
+        for epoch in range(1, flags.num_epochs + 1):
+            train_loop_fn(train_device_loader, epoch)
+        BENCH.stop()
+
+    train_mnist(flags)
+
+
+# --------------------------------------------------------------------------- (c) Lightning
+
+
+def lightning_row(epochs: int, images, labels) -> None:
+    """Lightning 2.6's Trainer on the XLA device via tpu_helpers.lightning.trainer_kwargs."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from tpu_helpers.data import ArrayDataset
+    from tpu_helpers.lightning import DigitsLightningModule, trainer_kwargs
+
+    class Window(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            BENCH.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            BENCH.step()
+
+        def on_train_end(self, trainer, pl_module):
+            BENCH.stop()
+
+    loader = DataLoader(ArrayDataset(images, labels), batch_size=BATCH_SIZE, shuffle=True)
+    with tempfile.TemporaryDirectory() as root, redirect_stderr(io.StringIO()), \
+            redirect_stdout(io.StringIO()):
+        trainer = L.Trainer(**trainer_kwargs(1), max_epochs=epochs, logger=False,
+                            enable_checkpointing=False, enable_model_summary=False,
+                            default_root_dir=root, callbacks=[Window()])
+        trainer.fit(DigitsLightningModule(), loader)
+
+
+# --------------------------------------------------------------------------- (d) ours
+
+
+def ours_row(epochs: int, images, labels) -> None:
+    """tpu_helpers.train.train_epoch, as fit() runs it (without evaluation/checkpoints)."""
+    import torch
+    import torch_xla
+    import torch_xla.distributed.parallel_loader as pl
+    import torch_xla.runtime as xr
+
+    from tpu_helpers.data import ArrayDataset, make_train_loader
+    from tpu_helpers.models import DigitsCNN
+    from tpu_helpers.train import TrainConfig, train_epoch
+
+    config = TrainConfig(batch_size=BATCH_SIZE, log_every=LOG_EVERY)
+    device = torch_xla.device()
+    torch.manual_seed(config.seed)
+    model = DigitsCNN().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    loader = make_train_loader(ArrayDataset(images, labels), config.batch_size // xr.world_size())
+    logged = []
+
+    def on_log(k, totals):  # a step closure: runs after step k executed
+        logged.append(totals.cpu())
+
+    step = 0
+    BENCH.start()
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        totals = train_epoch(model, optimizer, pl.MpDeviceLoader(loader, device),
+                             log_every=config.log_every, on_log=on_log,
+                             after_step=lambda k: BENCH.step(), seed=config.seed,
+                             first_step=step)
+        step += len(loader)
+        logged.append(totals.cpu())  # the epoch summary, as fit() reads it
+    BENCH.stop()
+
+
+# --------------------------------------------------------------------------- (e) ceiling
+
+
+def ceiling_row(epochs: int, images, labels) -> None:
+    """The compiled step on batches already on the device: no loader, no logging."""
+    import torch
+    import torch_xla
+
+    from tpu_helpers.data import ArrayDataset, make_train_loader
+    from tpu_helpers.models import DigitsCNN
+    from tpu_helpers.train import TrainConfig, train_step
+
+    config = TrainConfig(batch_size=BATCH_SIZE)
+    device = torch_xla.device()
+    torch.manual_seed(config.seed)
+    model = DigitsCNN().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    loader = make_train_loader(ArrayDataset(images, labels), config.batch_size, world_size=1,
+                               rank=0)
+    batches = [(x.to(device), y.to(device)) for x, y in loader]
+    torch_xla.sync()
+    BENCH.start()
+    for _ in range(epochs):
+        for x, y in batches:
+            train_step(model, optimizer, x, y)
+            torch_xla.sync()
+            BENCH.step()
+    BENCH.stop()
+
+
+ROW_FUNCTIONS = {"a": seed_article_row, "b": upstream_row, "c": lightning_row,
+                 "d": ours_row, "e": ceiling_row}
+
+
+# --------------------------------------------------------------------------- one row
+
+
+def measure_row(key: str, epochs: int, repeats: int) -> dict[str, Any]:
+    """In THIS process: a cold run, then ``repeats`` warm runs of row ``key``."""
+    from tpu_helpers.env import configure_emulation
+
+    configure_emulation(num_devices=1)
+    import torch_xla.core.xla_model as xm
+
+    from tpu_helpers.data import load_digits
+    from tpu_helpers.metrics import snapshot
+
+    images, labels = load_digits("train")
+    fn = ROW_FUNCTIONS[key]
+    sink = io.StringIO()  # the loops' own log lines
+    before = snapshot()
+    BENCH.reset()
+    with redirect_stdout(sink):
+        fn(epochs, images, labels)
+    xm.wait_device_ops()
+    cold_total = snapshot() - before
+    if BENCH.at_warmup is None:
+        raise RuntimeError(f"row {key} ran only {BENCH.steps} steps")
+    compiles_after = BENCH.end.compiles - BENCH.at_warmup.compiles
+    cold_steps = BENCH.steps
+    warm = []
+    for _ in range(repeats):
+        BENCH.reset()
+        with redirect_stdout(sink):
+            fn(epochs, images, labels)
+        warm.append({"steps": BENCH.steps, "seconds": BENCH.seconds,
+                     "cpu_seconds": BENCH.cpu_seconds,
+                     **{f"n_{k}": v for k, v in BENCH.counts.as_dict().items()}})
+    usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"key": key, "epochs": epochs, "cold_compiles": cold_total.compiles,
+            "compiles_warmup": cold_total.compiles - compiles_after,
+            "compiles_after_warmup": compiles_after,
+            "cold_steps": cold_steps,
+            "warm": warm, "peak_rss_mb": usage / 1024,
+            "log_lines": sink.getvalue().count("\n")}
+
+
+def _run_row_process(key: str, epochs: int, repeats: int) -> dict[str, Any]:
+    """Run one row in a fresh Python (its own XLA runtime, graph cache and memory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        env = {k: v for k, v in os.environ.items() if k != "XLA_USE_SPMD"}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep)
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench_training", "--row", key,
+             "--epochs", str(epochs), "--repeats", str(repeats), "--out", str(out)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"benchmark row {ROWS[key]} failed (exit {proc.returncode}):\n"
+                               f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def summarise(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per loop: medians over every warm run of every round."""
+    rates, rows = {}, []
+    for key, runs in results.items():
+        warm = [w for r in runs for w in r["warm"]]
+        rates[key] = [w["steps"] / w["seconds"] for w in warm]
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    for key, runs in results.items():
+        warm = [w for r in runs for w in r["warm"]]
+        steps = sum(w["steps"] for w in warm)
+        rows.append({
+            "benchmark": "training", "key": key, "name": ROWS[key],
+            "steps_per_s": round(median[key], 1),
+            "steps_per_s_min": round(min(rates[key]), 1),
+            "steps_per_s_max": round(max(rates[key]), 1),
+            "runs": len(warm),
+            "ratio_vs_ours": round(median[key] / median["d"], 3) if "d" in median else None,
+            "ratio_vs_ceiling": (round(median[key] / median["e"], 3)
+                                 if "e" in median else None),
+            "compiles_warmup": max(r["compiles_warmup"] for r in runs),
+            "compiles_after_warmup": max(r["compiles_after_warmup"] for r in runs),
+            "compiles_warm_runs": sum(w["n_compiles"] for w in warm),
+            "d2h_per_step": round(sum(w["n_transfers_from_device"] for w in warm) / steps, 3),
+            "executions_per_step": round(sum(w["n_executions"] for w in warm) / steps, 2),
+            "cpu_ms_per_step": round(statistics.median(
+                1e3 * w["cpu_seconds"] / w["steps"] for w in warm), 2),
+            "fallbacks_per_step": round(sum(w["n_fallback_ops"] for w in warm) / steps, 3),
+            "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs)),
+            "steps_run": runs[0]["warm"][0]["steps"],
+            "epochs": runs[0]["epochs"],
+        })
+    return rows
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """Run every row (each in its own process) and return one dict per row.
+
+    Quick: 2 epochs, 2 warm runs, one round. Full: 3 epochs, 3 warm runs, two rounds
+    (a-e, then e-a). Does not touch the XLA device of the calling process.
+    """
+    epochs, repeats, rounds = (2, 2, 1) if quick else (3, 3, 2)
+    results: dict[str, list[dict[str, Any]]] = {k: [] for k in ROWS}
+    for r in range(rounds):
+        order = list(ROWS) if r % 2 == 0 else list(reversed(ROWS))
+        for key in order:
+            results[key].append(_run_row_process(key, epochs, repeats))
+    return summarise(results)
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    import pandas as pd
+
+    frame = pd.DataFrame(rows).set_index("name")
+    frame["spread"] = [f"{lo:g}-{hi:g}" for lo, hi in
+                       zip(frame["steps_per_s_min"], frame["steps_per_s_max"], strict=True)]
+    cols = {"steps_per_s": "steps/s", "spread": "min-max", "ratio_vs_ours": "vs (d)",
+            "ratio_vs_ceiling": "vs (e)", "compiles_warmup": "compiles warm-up",
+            "compiles_after_warmup": "compiles after", "d2h_per_step": "d2h/step",
+            "executions_per_step": "executions/step", "cpu_ms_per_step": "CPU ms/step",
+            "peak_rss_mb": "peak RSS MB", "steps_run": "steps/run"}
+    return frame[list(cols)].rename(columns=cols).to_string()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer epochs and repeats (CI)")
+    ap.add_argument("--row", choices=sorted(ROWS), help=argparse.SUPPRESS)
+    ap.add_argument("--epochs", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.row:  # one row, in this (fresh) process: used by run()
+        result = measure_row(args.row, args.epochs, args.repeats)
+        Path(args.out).write_text(json.dumps(result))
+        return 0
+    quick = args.quick or os.environ.get("CI") == "true" or os.environ.get("SMOKE") == "1"
+    start = time.perf_counter()
+    rows = run(quick=quick)
+    print(format_rows(rows))
+    print(f"({time.perf_counter() - start:.0f} s; batch {BATCH_SIZE}; each row in its own "
+          "process; XLA:CPU timings are inflated by other load on this machine)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Every benchmark in one command, one table: ``python -m benchmarks.run_all`` (``make bench``).
+
+    python -m benchmarks.run_all                  # full run (under 10 minutes on 2 idle cores)
+    python -m benchmarks.run_all --quick          # CI-sized (also with CI=true or SMOKE=1)
+    python -m benchmarks.run_all --only training  # a subset: training, loader, predict
+    python -m benchmarks.run_all --json out.json  # also save every row
+
+Runs ``benchmarks.bench_training.run`` (each training loop in its own process), then
+``benchmarks.bench_loader.run`` and ``benchmarks.bench_predict.run`` (in this process, on
+one XLA device), and prints the machine it ran on, one table, and each goal with whether
+this run met it. Every ratio compares numbers measured in the same run on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks import bench_loader, bench_predict, bench_training
+
+BENCHMARKS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {
+    "training": bench_training.run,
+    "loader": bench_loader.run,
+    "predict": bench_predict.run,
+}
+
+COLUMNS = ["benchmark", "row", "steps/s", "min-max", "ratio", "vs ceiling", "compiles",
+           "transfers/step", "exec/step", "CPU ms/step", "peak RSS MB", "note"]
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Each benchmark's rows in the common columns of the printed table."""
+    out = []
+    for r in rows:
+        kind = r.get("benchmark")
+        if kind == "training":
+            out.append({
+                "benchmark": "training", "row": r["name"],
+                "steps/s": _fmt(r["steps_per_s"], 1),
+                "min-max": f"{r['steps_per_s_min']:.1f}-{r['steps_per_s_max']:.1f}",
+                "ratio": f"{r['ratio_vs_ours']:.2f} x (d)",
+                "vs ceiling": _fmt(r["ratio_vs_ceiling"]),
+                "compiles": f"{r['compiles_warmup']} + {r['compiles_after_warmup']} after",
+                "transfers/step": f"{r['d2h_per_step']:.3f} d2h",
+                "exec/step": _fmt(r["executions_per_step"]),
+                "CPU ms/step": _fmt(r["cpu_ms_per_step"], 1),
+                "peak RSS MB": str(r["peak_rss_mb"]),
+                "note": f"{r['steps_run']} steps/run ({r['epochs']} epochs asked)",
+            })
+        elif kind == "loader":
+            ratio = (f"{r['ratio_vs_naive']:.2f} x naive" if "ratio_vs_naive" in r else "")
+            out.append({
+                "benchmark": "loader", "row": r["name"], "steps/s": _fmt(r["steps_per_s"], 1),
+                "min-max": "", "ratio": ratio,
+                "vs ceiling": _fmt(r.get("ratio_vs_ceiling")),
+                "compiles": str(r["compiles"]),
+                "transfers/step": f"{r['transfers_per_step']:.2f} h2d",
+                "peak RSS MB": "", "note": "",
+            })
+        elif kind == "predict" and "ratio" in r:
+            out.append({
+                "benchmark": "predict", "row": r["case"], "steps/s": "", "min-max": "",
+                "ratio": f"{r['ratio']:.2f} x time",
+                "vs ceiling": "", "compiles": str(r["compiles_predict_warmup"]),
+                "transfers/step": f"{r['transfers_per_predict']} d2h per predict",
+                "peak RSS MB": "",
+                "note": f"goal {r['goal']}; paired median {r['paired_median_ratio']}, "
+                        f"CPU-time ratio {r['cpu_ratio']}",
+            })
+        elif kind == "predict":
+            out.append({
+                "benchmark": "predict", "row": r["case"], "steps/s": "", "min-max": "",
+                "ratio": "", "vs ceiling": "", "compiles": "",
+                "transfers/step": f"{r['transfers']} d2h",
+                "peak RSS MB": f"+{r['rss_growth_MiB']}",
+                "note": f"numpy peak {r['numpy_peak_MiB']} MiB for a {r['result_MiB']} MiB "
+                        f"result, chunk {r['chunk_MiB']} MiB",
+            })
+    return out
+
+
+def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """(goal, met?) for every goal the rows of this run can decide."""
+    result = []
+    train = {r["key"]: r for r in rows if r.get("benchmark") == "training"}
+    if "d" in train:
+        ours = train["d"]
+        baselines = [k for k in ("a", "b", "c") if k in train]
+        result.append(("(d) ours: 0 compiles after warm-up", ours["compiles_after_warmup"] == 0))
+        result.append(("(d) ours: fewest compiles after warm-up of all rows",
+                       all(ours["compiles_after_warmup"] <= train[k]["compiles_after_warmup"]
+                           for k in train)))
+        for k in baselines:
+            result.append((f"(d) ours steps/s >= {ROW_SHORT[k]}",
+                           ours["steps_per_s"] >= train[k]["steps_per_s"]))
+        if ours.get("ratio_vs_ceiling") is not None:
+            result.append(("(d) ours / (e) ceiling >= 0.8", ours["ratio_vs_ceiling"] >= 0.8))
+    loader = [r for r in rows if r.get("benchmark") == "loader" and "ratio_vs_ceiling" in r]
+    for r in loader:
+        result.append(("loader: MpDeviceLoader / ceiling >= 0.8", r["ratio_vs_ceiling"] >= 0.8))
+        result.append(("loader: MpDeviceLoader / naive >= 1.0", r["ratio_vs_naive"] >= 1.0))
+    for r in rows:
+        if r.get("benchmark") == "predict" and "ok" in r:
+            result.append((f"predict: {r['case']}", bool(r["ok"])))
+    return result
+
+
+ROW_SHORT = {"a": "(a) seed loop", "b": "(b) upstream pattern", "c": "(c) Lightning"}
+
+
+def machine() -> dict[str, str]:
+    """What the numbers were measured on."""
+    import importlib.metadata as md
+
+    from tpu_helpers.env import detect_runtime
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+
+    def version(dist: str) -> str:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "-"
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "runtime": detect_runtime().summary(),
+        "cpu": f"{cpu}, {os.cpu_count()} logical cores",
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "versions": f"torch {version('torch')}, torch_xla {version('torch_xla')}, "
+                    f"lightning {version('lightning')}",
+        "load average at start": " ".join(f"{x:.2f}" for x in load),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI-sized runs")
+    ap.add_argument("--only", default=",".join(BENCHMARKS),
+                    help="comma-separated subset of: " + ", ".join(BENCHMARKS))
+    ap.add_argument("--json", help="also write every row (and the machine) to this file")
+    args = ap.parse_args(argv)
+    quick = args.quick or os.environ.get("CI") == "true" or os.environ.get("SMOKE") == "1"
+    chosen = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(BENCHMARKS))
+    if unknown:
+        ap.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+
+    from tpu_helpers.env import configure_emulation
+
+    configure_emulation(num_devices=1)  # before anything touches XLA in this process
+    info = machine()
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    seconds = {}
+    for name in chosen:  # training first: its rows run in fresh processes
+        t0 = time.perf_counter()
+        rows += BENCHMARKS[name](quick)
+        seconds[name] = time.perf_counter() - t0
+    total = time.perf_counter() - started
+    info["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+    import pandas as pd
+
+    print("Machine:")
+    for key, value in info.items():
+        print(f"  {key}: {value}")
+    print(f"Mode: {'quick' if quick else 'full'}; took {total:.0f} s ("
+          + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + ")\n")
+    with pd.option_context("display.max_colwidth", 60, "display.width", 250):
+        print(pd.DataFrame(table_rows(rows), columns=COLUMNS).to_string(index=False))
+    print("\nGoals:")
+    for text, met in goals(rows):
+        print(f"  [{'met' if met else 'MISSED'}] {text}")
+    print("\nXLA:CPU on a shared machine: steps/s are noisy (see min-max); compile and "
+          "transfer counts are exact. Reproduce: make bench (or python -m benchmarks.run_all).")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"machine": info, "quick": quick, "seconds": seconds, "rows": rows}, fh,
+                      indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
