@@ -6,6 +6,9 @@ Real Lightning 2.6, real torch_xla on the XLA:CPU device (one device, set in con
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -147,12 +150,13 @@ def test_fit_runs_lightnings_single_device_xla_strategy(fitted):
     epochs = counts.frame()
     assert list(epochs["steps"]) == [8, 8, 8]
     assert epochs["compiles"].iloc[0] >= 2  # first epoch: the step graphs are compiled
-    assert epochs["compiles"].iloc[1:].sum() <= 1  # then (almost) nothing new
-    assert epochs["compiles"].iloc[2] == 0
+    # then at most one more graph: the first step of an epoch that starts with leftover
+    # lazy work from the previous epoch's end (it depends on whether a checkpoint was saved)
+    assert epochs["compiles"].iloc[1:].sum() <= 1
     # the loss is logged per epoch: no device-to-host transfer inside the steps
     assert counts.step_transfers_from_device and max(counts.step_transfers_from_device) == 0
-    # reduce (sync_dist) runs at epoch ends, not per step
-    assert (epochs["reduce_calls"] < epochs["steps"]).all()
+    # one device: Lightning skips sync_dist (strategy.reduce is never called)
+    assert (epochs["reduce_calls"] == 0).all()
 
 
 def test_checkpoint_is_atomic_and_loads_into_a_fresh_module(fitted):
@@ -213,3 +217,64 @@ def test_refit_in_the_same_process_works_and_compiles_nothing_new(fitted, digits
         again.fit(model, *loaders(*digits))
     assert again.current_epoch == 3 and list(counts.frame()["steps"]) == [8, 8, 8]
     assert Path(checkpoint.best_model_path).parent == tmp_path
+
+
+SYNC_DIST_SCRIPT = """
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from tpu_helpers.data import ArrayDataset, load_digits
+from tpu_helpers.lightning import DigitsLightningModule
+
+
+class CountReduceInSteps(L.Callback):
+    # Counts strategy.reduce (what sync_dist=True calls) between a step's start and end.
+    def __init__(self):
+        self.in_step = self.calls = self.steps = 0
+
+    def setup(self, trainer, pl_module, stage):
+        reduce = trainer.strategy.reduce
+
+        def counted(*args, **kwargs):
+            self.calls += self.in_step
+            return reduce(*args, **kwargs)
+
+        trainer.strategy.reduce = counted
+
+    def on_train_batch_start(self, *args):
+        self.in_step = 1
+
+    def on_train_batch_end(self, *args):
+        self.in_step = 0
+        self.steps += 1
+
+
+if __name__ == "__main__":
+    train = ArrayDataset(*load_digits("train"))
+    for mode in ("prog_bar", "epoch"):
+        counter = CountReduceInSteps()
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1,
+                            limit_train_batches=4, callbacks=[counter], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False)
+        trainer.fit(DigitsLightningModule(loss_logging=mode),
+                    DataLoader(train, batch_size=32, shuffle=True, drop_last=True))
+        print(f"rank {trainer.global_rank} {mode}: {counter.calls} reduce calls in "
+              f"{counter.steps} steps", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sync_dist_on_step_reduces_every_step_on_a_distributed_strategy(tmp_path, repo):
+    """Real DDP (2 processes, gloo): the claim notebook 06 makes for XLAStrategy's mesh_reduce."""
+    script = tmp_path / "sync_dist_ddp.py"
+    script.write_text(SYNC_DIST_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} prog_bar: 4 reduce calls in 4 steps" in proc.stdout, proc.stdout
+        assert f"rank {rank} epoch: 0 reduce calls in 4 steps" in proc.stdout, proc.stdout

@@ -294,8 +294,9 @@ class XLACountsCallback(L.Callback):
     ``epochs``: one dict per training epoch (validation inside it included) with the
     :class:`~tpu_helpers.metrics.Counts` fields, ``steps``, ``seconds``, ``train_seconds``
     (first step start to last step end, device work finished) and ``reduce_calls`` (calls
-    of ``trainer.strategy.reduce``: identity on one device, one ``xm.mesh_reduce`` host
-    round trip each on several TPU devices). ``step_transfers_from_device``: for each step
+    of ``trainer.strategy.reduce``, which is what ``sync_dist=True`` does: one
+    ``xm.mesh_reduce`` host round trip each with several TPU devices; always 0 on one
+    device, where Lightning skips ``sync_dist``). ``step_transfers_from_device``: for each step
     but an epoch's last, the device-to-host transfers from its start to the next step's
     start (the progress bar and the logger included). :meth:`frame` gives ``epochs`` as
     a DataFrame.
