@@ -56,14 +56,25 @@ def test_mp_device_loader_keeps_batch_size_and_does_not_shard(device):
     assert seen == list(range(40))  # the whole dataset: no sharding happened
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_plain_mp_device_loader_swallows_host_errors(device):
     """Documents the upstream behaviour StrictDeviceLoader exists for."""
+    import threading
+    import time
+
     import torch_xla.distributed.parallel_loader as pl
 
     loader = DataLoader(FailsAt(25), batch_size=4)
-    steps = sum(1 for _ in pl.MpDeviceLoader(loader, device))
-    assert steps == 6 < len(loader) == 10  # no exception: the epoch just ended early
+    caught = []
+    hook, threading.excepthook = threading.excepthook, caught.append
+    try:
+        steps = sum(1 for _ in pl.MpDeviceLoader(loader, device))
+        deadline = time.monotonic() + 10
+        while not caught and time.monotonic() < deadline:  # the hook runs as the thread exits
+            time.sleep(0.05)
+    finally:
+        threading.excepthook = hook
+    assert steps == 6 < len(loader) == 10  # no exception in the loop: the epoch just ended
+    assert [type(c.exc_value) for c in caught] == [D.DataError]  # it went to a thread hook
 
 
 def test_strict_device_loader_raises_the_host_error(device):
@@ -114,3 +125,26 @@ def test_loops_run_the_same_steps_without_recompiling(device):
     # naive copies x and y separately per step; MpDeviceLoader batches its copies
     assert naive.transfers_to_device >= 2 * 4 + ceiling.transfers_to_device - 1
     assert mp.transfers_to_device < naive.transfers_to_device
+
+
+@pytest.mark.slow
+def test_spmd_input_sharding_splits_the_global_batch_in_a_fresh_process():
+    from tpu_helpers.device_loader import run_spmd_loader_demo
+
+    out = run_spmd_loader_demo(batch_size=32, num_devices=4, steps=3)
+    assert out["devices"] == 4 and out["world_size"] == 1
+    x = [s for s in out["shards"] if s["tensor"] == "x"]
+    y = [s for s in out["shards"] if s["tensor"] == "y"]
+    assert [s["shape"] for s in x] == [[8, 1, 8, 8]] * 4
+    assert [s["rows"] for s in x] == ["0:8", "8:16", "16:24", "24:32"]
+    assert [s["shape"] for s in y] == [[32]] * 4  # a 4-dim spec leaves 1-dim labels replicated
+    assert out["compiles_later_steps"] == 0
+
+
+def test_array_dataset_batched_fetch_matches_per_item():
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    ds = D.ArrayDataset(x, np.arange(10) % 3)
+    batch = ds.__getitems__([7, 2, 2])
+    for (bx, by), i in zip(batch, [7, 2, 2], strict=True):
+        sx, sy = ds[i]
+        assert torch.equal(bx, sx) and torch.equal(by, sy) and by.dtype == torch.int64
