@@ -35,9 +35,10 @@ def run(quick: bool = False, decode_row: bool = True) -> list[dict]:
 
     Keys: ``name``, ``steps``, ``seconds``, ``steps_per_s``, ``compiles`` (during the timed
     loop; the step is compiled before), ``executions``, ``transfers_to_device``,
-    ``transfers_per_step``; the MpDeviceLoader row also has ``ratio_vs_naive`` and
-    ``ratio_vs_ceiling``. Needs a process whose XLA runtime is (or can be) one CPU device
-    or a TPU.
+    ``transfers_per_step``, ``round_rates`` / ``min_`` / ``median_`` / ``max_steps_per_s``
+    (``steps_per_s`` is the best round); the MpDeviceLoader row also has ``ratio_vs_naive``
+    and ``ratio_vs_ceiling`` (best round against best round). Needs a process whose XLA
+    runtime is (or can still be) one CPU device, or a TPU.
     """
     configure_emulation(num_devices=1)
     import torch
@@ -71,9 +72,11 @@ def run(quick: bool = False, decode_row: bool = True) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'loop':38s} {'steps/s':>8s} {'compiles':>8s} {'transfers/step':>14s}"]
+    lines = [f"{'loop':38s} {'steps/s':>8s} {'(min-max of rounds)':>20s} {'compiles':>8s} "
+             f"{'transfers/step':>14s}"]
     for r in rows:
-        lines.append(f"{r['name']:38s} {r['steps_per_s']:8.1f} {r['compiles']:8d} "
+        spread = f"{r['min_steps_per_s']:.0f}-{r['max_steps_per_s']:.0f}"
+        lines.append(f"{r['name']:38s} {r['steps_per_s']:8.1f} {spread:>20s} {r['compiles']:8d} "
                      f"{r['transfers_per_step']:14.2f}")
     mp = rows[1]
     lines.append(f"b/a (MpDeviceLoader / naive)   = {mp['ratio_vs_naive']:.2f}  (goal >= 1.0)")

@@ -148,3 +148,19 @@ def test_array_dataset_batched_fetch_matches_per_item():
     for (bx, by), i in zip(batch, [7, 2, 2], strict=True):
         sx, sy = ds[i]
         assert torch.equal(bx, sx) and torch.equal(by, sy) and by.dtype == torch.int64
+
+
+@pytest.mark.slow
+def test_bench_loader_runs_with_one_command(repo):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_loader", "--quick"], cwd=repo,
+                          capture_output=True, text=True, timeout=300, check=True)
+    out = proc.stdout
+    for row in ("naive .to(device)", "MpDeviceLoader", "on device (ceiling)",
+                "MpDeviceLoader, PNG decode per item", "b/a (MpDeviceLoader / naive)",
+                "b/c (MpDeviceLoader / ceiling)"):
+        assert row in out
+    rows = [line.split() for line in out.splitlines()[1:5]]
+    assert all(r[-2] == "0" for r in rows), out  # no compiles inside any timed loop

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -103,6 +103,8 @@ class LoopTiming:
     compiles: int
     executions: int
     transfers_to_device: int
+    #: steps/s of every round when :func:`compare_loops` ran several (this one is the best)
+    round_rates: tuple[float, ...] = ()
 
     @property
     def steps_per_s(self) -> float:
@@ -112,6 +114,10 @@ class LoopTiming:
         row = asdict(self)
         row["steps_per_s"] = self.steps_per_s
         row["transfers_per_step"] = self.transfers_to_device / max(self.steps, 1)
+        rates = list(self.round_rates) or [self.steps_per_s]
+        row["round_rates"] = rates
+        row["min_steps_per_s"], row["max_steps_per_s"] = min(rates), max(rates)
+        row["median_steps_per_s"] = float(sorted(rates)[len(rates) // 2])
         return row
 
 
@@ -228,12 +234,14 @@ def compare_loops(loader: Iterable, step: Step, device: Any, steps: int,
         ("on device (ceiling)", lambda: on_device_loop(resident, step)),
     ]
     best: dict[str, LoopTiming] = {}
+    rates: dict[str, list[float]] = {name: [] for name, _ in loops}
     for r in range(rounds):
         for name, run in loops[r % 3:] + loops[:r % 3]:
             t = time_loop(name, run)
+            rates[name].append(t.steps_per_s)
             if name not in best or t.steps_per_s > best[name].steps_per_s:
                 best[name] = t
-    return [best[name] for name, _ in loops]
+    return [replace(best[name], round_rates=tuple(rates[name])) for name, _ in loops]
 
 
 # --------------------------------------------------------------------------- SPMD
