@@ -127,23 +127,10 @@ class AtomicXLACheckpointIO(XLACheckpointIO):
                         storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options.")
-        from lightning.pytorch.utilities import move_data_to_device
+        import torch_xla.core.xla_model as xm
 
-        if _has_xla_tensor(checkpoint):
-            import torch_xla
-
-            torch_xla.sync()  # pending updates first; afterwards each .cpu() is a copy
-        write_atomically(path, move_data_to_device(checkpoint, torch.device("cpu")))
-
-
-def _has_xla_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return obj.device.type == "xla"
-    if isinstance(obj, Mapping):
-        return any(_has_xla_tensor(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return any(_has_xla_tensor(v) for v in obj)
-    return False
+        # the same host copy XLACheckpointIO makes: every XLA tensor in one batched transfer
+        write_atomically(path, xm._maybe_convert_to_cpu(checkpoint, convert=True))
 
 
 def _check_devices_argument(devices: Any) -> None:
