@@ -28,6 +28,10 @@ Every row trains ``tpu_helpers.models.DigitsCNN`` on the shipped digits (train s
       closure, one summary read per epoch.
   (e) the ceiling: ``tpu_helpers.train.train_step`` on batches already on the device, one
       sync per step, no loader, no logging.
+  (d') and (e'): (d) and (e) with (b)'s optimizer, SGD(lr=0.01, momentum=0.5). Each source
+      brings its own optimizer (Adam, SGD, AdamW) and on a small model the optimizer's
+      share of a step is large (AdamW's update traces several ops per parameter), so
+      (b) vs (d') is the comparison of the loops alone.
 
 Each row runs in its own fresh Python process (its compile counts and peak host RSS are
 its own), calling the per-process training function directly (world size 1: what
@@ -47,6 +51,7 @@ load than wall time), peak host RSS of the row's process, steps run per run.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -69,12 +74,16 @@ LOG_EVERY = 20
 WARMUP_STEPS = 2
 
 ROWS = {
-    "a": "(a) seed 002 loop as written",
-    "b": "(b) upstream test_train_mp_mnist pattern",
-    "c": "(c) Lightning Trainer on XLA",
-    "d": "(d) ours: tpu_helpers.train",
-    "e": "(e) ceiling: compiled step, data on device",
+    "a": "(a) seed 002 loop as written (Adam)",
+    "b": "(b) upstream test_train_mp_mnist pattern (SGD)",
+    "c": "(c) Lightning Trainer on XLA (AdamW)",
+    "d": "(d) ours: tpu_helpers.train (AdamW)",
+    "e": "(e) ceiling: ours' step, data on device (AdamW)",
+    "d_sgd": "(d') ours with (b)'s SGD",
+    "e_sgd": "(e') ceiling with (b)'s SGD",
 }
+#: Ours and the ceiling with upstream's optimizer, so (b) vs (d') compares loops only.
+UPSTREAM_SGD = {"lr": 0.01, "momentum": 0.5}
 
 
 # --------------------------------------------------------------------------- measuring
@@ -299,7 +308,15 @@ def lightning_row(epochs: int, images, labels) -> None:
 # --------------------------------------------------------------------------- (d) ours
 
 
-def ours_row(epochs: int, images, labels) -> None:
+def _optimizer(model, config, sgd: bool):
+    import torch
+
+    if sgd:
+        return torch.optim.SGD(model.parameters(), **UPSTREAM_SGD)
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+def ours_row(epochs: int, images, labels, sgd: bool = False) -> None:
     """tpu_helpers.train.train_epoch, as fit() runs it (without evaluation/checkpoints)."""
     import torch
     import torch_xla
@@ -314,8 +331,7 @@ def ours_row(epochs: int, images, labels) -> None:
     device = torch_xla.device()
     torch.manual_seed(config.seed)
     model = DigitsCNN().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
-                                  weight_decay=config.weight_decay)
+    optimizer = _optimizer(model, config, sgd)
     loader = make_train_loader(ArrayDataset(images, labels), config.batch_size // xr.world_size())
     logged = []
 
@@ -338,7 +354,7 @@ def ours_row(epochs: int, images, labels) -> None:
 # --------------------------------------------------------------------------- (e) ceiling
 
 
-def ceiling_row(epochs: int, images, labels) -> None:
+def ceiling_row(epochs: int, images, labels, sgd: bool = False) -> None:
     """The compiled step on batches already on the device: no loader, no logging."""
     import torch
     import torch_xla
@@ -351,8 +367,7 @@ def ceiling_row(epochs: int, images, labels) -> None:
     device = torch_xla.device()
     torch.manual_seed(config.seed)
     model = DigitsCNN().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
-                                  weight_decay=config.weight_decay)
+    optimizer = _optimizer(model, config, sgd)
     loader = make_train_loader(ArrayDataset(images, labels), config.batch_size, world_size=1,
                                rank=0)
     batches = [(x.to(device), y.to(device)) for x, y in loader]
@@ -367,7 +382,9 @@ def ceiling_row(epochs: int, images, labels) -> None:
 
 
 ROW_FUNCTIONS = {"a": seed_article_row, "b": upstream_row, "c": lightning_row,
-                 "d": ours_row, "e": ceiling_row}
+                 "d": ours_row, "e": ceiling_row,
+                 "d_sgd": functools.partial(ours_row, sgd=True),
+                 "e_sgd": functools.partial(ceiling_row, sgd=True)}
 
 
 # --------------------------------------------------------------------------- one row
