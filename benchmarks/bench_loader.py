@@ -49,7 +49,7 @@ def run(quick: bool = False, decode_row: bool = True) -> list[dict]:
     from tpu_helpers.device_loader import compare_loops, device_loader_loop, sgd_step, time_loop
     from tpu_helpers.models import DigitsCNN
 
-    steps, rounds = (10, 2) if quick else (20, 10)
+    steps, rounds = (10, 2) if quick else (20, 15)
     device = torch_xla.device()
     torch.manual_seed(0)
     step = sgd_step(DigitsCNN().to(device))

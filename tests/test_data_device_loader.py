@@ -164,3 +164,13 @@ def test_bench_loader_runs_with_one_command(repo):
         assert row in out
     rows = [line.split() for line in out.splitlines()[1:5]]
     assert all(r[-2] == "0" for r in rows), out  # no compiles inside any timed loop
+
+
+def test_loader_defaults_come_from_the_runtime(device):
+    import torch_xla.runtime as xr
+
+    ds = D.ArrayDataset(np.zeros((10, 2), np.float32), np.arange(10) % 2)
+    train = D.make_train_loader(ds, 4)
+    assert (train.sampler.num_replicas, train.sampler.rank) == (xr.world_size(),
+                                                                xr.global_ordinal()) == (1, 0)
+    assert len(train) == 2 and len(D.make_eval_loader(ds, 4)) == 3
