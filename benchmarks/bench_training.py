@@ -36,10 +36,11 @@ Every row trains ``tpu_helpers.models.DigitsCNN`` on the shipped digits (train s
 Each row runs in its own fresh Python process (its compile counts and peak host RSS are
 its own), calling the per-process training function directly (world size 1: what
 ``torch_xla.launch`` / ``xmp.spawn`` would run in its one child on this machine). In that
-process: one cold run (compiles), then ``repeats`` warm runs; each run is timed from the
-start of its epoch loop until the device has finished the last step. Full mode runs two
-rounds (rows a-e, then e-a) so drifting load on a shared machine hits every row; the
-table shows the median steps/s and the min-max of all warm runs.
+process: one cold run (compiles), then warm runs, each timed from the start of its epoch
+loop until the device has finished the last step. All row processes stay alive and the
+parent asks them in turn for one warm run at a time (a..e', then e'..a, ...), so drifting
+load on a shared machine hits every row alike; the table shows the median steps/s and
+the min-max of the warm runs (7 per row; 3 with --quick).
 
 Columns: steps/s (median), ratio to (d) and to (e), compiles during the first two steps
 (warm-up, model set-up included) and after them, device-to-host transfers and graph
@@ -390,62 +391,118 @@ ROW_FUNCTIONS = {"a": seed_article_row, "b": upstream_row, "c": lightning_row,
 # --------------------------------------------------------------------------- one row
 
 
+class _RowProcess:
+    """The in-process side of one row: data loaded once, then cold and warm runs."""
+
+    def __init__(self, key: str, epochs: int) -> None:
+        from tpu_helpers.env import configure_emulation
+
+        configure_emulation(num_devices=1)
+        from tpu_helpers.data import load_digits
+
+        self.key, self.epochs = key, epochs
+        self.fn = ROW_FUNCTIONS[key]
+        self.images, self.labels = load_digits("train")
+        self.sink = io.StringIO()  # the loops' own log lines
+
+    def cold(self) -> dict[str, Any]:
+        """The first run: everything compiles; split into warm-up and after warm-up."""
+        import torch_xla.core.xla_model as xm
+
+        from tpu_helpers.metrics import snapshot
+
+        before = snapshot()
+        BENCH.reset()
+        with redirect_stdout(self.sink):
+            self.fn(self.epochs, self.images, self.labels)
+        xm.wait_device_ops()
+        total = snapshot() - before
+        if BENCH.at_warmup is None:
+            raise RuntimeError(f"row {self.key} ran only {BENCH.steps} steps")
+        after = BENCH.end.compiles - BENCH.at_warmup.compiles
+        return {"key": self.key, "epochs": self.epochs, "cold_compiles": total.compiles,
+                "compiles_warmup": total.compiles - after, "compiles_after_warmup": after,
+                "cold_steps": BENCH.steps}
+
+    def warm(self) -> dict[str, Any]:
+        """One more run with every graph compiled: timed and counted."""
+        BENCH.reset()
+        with redirect_stdout(self.sink):
+            self.fn(self.epochs, self.images, self.labels)
+        return {"steps": BENCH.steps, "seconds": BENCH.seconds, "cpu_seconds": BENCH.cpu_seconds,
+                **{f"n_{k}": v for k, v in BENCH.counts.as_dict().items()}}
+
+    @staticmethod
+    def peak_rss_mb() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def measure_row(key: str, epochs: int, repeats: int) -> dict[str, Any]:
     """In THIS process: a cold run, then ``repeats`` warm runs of row ``key``."""
-    from tpu_helpers.env import configure_emulation
-
-    configure_emulation(num_devices=1)
-    import torch_xla.core.xla_model as xm
-
-    from tpu_helpers.data import load_digits
-    from tpu_helpers.metrics import snapshot
-
-    images, labels = load_digits("train")
-    fn = ROW_FUNCTIONS[key]
-    sink = io.StringIO()  # the loops' own log lines
-    before = snapshot()
-    BENCH.reset()
-    with redirect_stdout(sink):
-        fn(epochs, images, labels)
-    xm.wait_device_ops()
-    cold_total = snapshot() - before
-    if BENCH.at_warmup is None:
-        raise RuntimeError(f"row {key} ran only {BENCH.steps} steps")
-    compiles_after = BENCH.end.compiles - BENCH.at_warmup.compiles
-    cold_steps = BENCH.steps
-    warm = []
-    for _ in range(repeats):
-        BENCH.reset()
-        with redirect_stdout(sink):
-            fn(epochs, images, labels)
-        warm.append({"steps": BENCH.steps, "seconds": BENCH.seconds,
-                     "cpu_seconds": BENCH.cpu_seconds,
-                     **{f"n_{k}": v for k, v in BENCH.counts.as_dict().items()}})
-    usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return {"key": key, "epochs": epochs, "cold_compiles": cold_total.compiles,
-            "compiles_warmup": cold_total.compiles - compiles_after,
-            "compiles_after_warmup": compiles_after,
-            "cold_steps": cold_steps,
-            "warm": warm, "peak_rss_mb": usage / 1024,
-            "log_lines": sink.getvalue().count("\n")}
+    row = _RowProcess(key, epochs)
+    result = row.cold()
+    result["warm"] = [row.warm() for _ in range(repeats)]
+    result["peak_rss_mb"] = row.peak_rss_mb()
+    return result
 
 
-def _run_row_process(key: str, epochs: int, repeats: int) -> dict[str, Any]:
-    """Run one row in a fresh Python (its own XLA runtime, graph cache and memory)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
+_MARK = "@@bench-training "
+
+
+def _serve(key: str, epochs: int) -> None:
+    """Child side: a cold run, then one warm run per "run" line on stdin until "quit"."""
+    out = sys.stdout
+    row = _RowProcess(key, epochs)
+
+    def send(message: dict[str, Any]) -> None:
+        out.write(_MARK + json.dumps(message) + "\n")
+        out.flush()
+
+    send(row.cold())
+    for line in sys.stdin:
+        if line.strip() == "run":
+            send(row.warm())
+        else:
+            break
+    send({"peak_rss_mb": row.peak_rss_mb()})
+
+
+class _Child:
+    """Parent side of one row process."""
+
+    def __init__(self, key: str, epochs: int, log_dir: str) -> None:
         env = {k: v for k, v in os.environ.items() if k != "XLA_USE_SPMD"}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.bench_training", "--row", key,
-             "--epochs", str(epochs), "--repeats", str(repeats), "--out", str(out)],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"benchmark row {ROWS[key]} failed (exit {proc.returncode}):\n"
-                               f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
+        self.key = key
+        self.log = open(Path(log_dir) / f"{key}.stderr", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_training", "--serve", key,
+             "--epochs", str(epochs)], cwd=REPO, env=env, text=True, bufsize=1,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+
+    def receive(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(_MARK):
+                return json.loads(line[len(_MARK):])
+        self.proc.wait()
+        self.log.seek(0)
+        raise RuntimeError(f"benchmark row {ROWS[self.key]} exited with "
+                           f"{self.proc.returncode}:\n{self.log.read()[-4000:]}")
+
+    def request(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.receive()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.close()
 
 
 def summarise(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -483,18 +540,32 @@ def summarise(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
-    """Run every row (each in its own process) and return one dict per row.
+    """Run every row, each in its own process, and return one dict per row.
 
-    Quick: 2 epochs, 2 warm runs, one round. Full: 3 epochs, 3 warm runs, two rounds
-    (a-e, then e-a). Does not touch the XLA device of the calling process.
+    The row processes are started one after the other (each compiles in its cold run while
+    the others wait), then stay alive, idle, while the parent asks each in turn for one
+    warm run: rows a, b, ..., then the same backwards, and so on. Load from elsewhere on a
+    shared machine therefore lands on every row alike. Quick: 2 epochs, 3 warm runs per
+    row; full: 3 epochs, 7. Does not touch the XLA device of the calling process.
     """
-    epochs, repeats, rounds = (2, 2, 1) if quick else (3, 3, 2)
-    results: dict[str, list[dict[str, Any]]] = {k: [] for k in ROWS}
-    for r in range(rounds):
-        order = list(ROWS) if r % 2 == 0 else list(reversed(ROWS))
-        for key in order:
-            results[key].append(_run_row_process(key, epochs, repeats))
-    return summarise(results)
+    epochs, repeats = (2, 3) if quick else (3, 7)
+    order = list(ROWS)
+    results: dict[str, dict[str, Any]] = {}
+    children: dict[str, _Child] = {}
+    with tempfile.TemporaryDirectory() as logs:
+        try:
+            for key in order:
+                children[key] = _Child(key, epochs, logs)
+                results[key] = {**children[key].receive(), "warm": []}
+            for r in range(repeats):
+                for key in (order if r % 2 == 0 else order[::-1]):
+                    results[key]["warm"].append(children[key].request("run"))
+            for key in order:
+                results[key].update(children[key].request("quit"))
+        finally:
+            for child in children.values():
+                child.close()
+    return summarise({key: [result] for key, result in results.items()})
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -514,14 +585,11 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer epochs and repeats (CI)")
-    ap.add_argument("--row", choices=sorted(ROWS), help=argparse.SUPPRESS)
+    ap.add_argument("--serve", choices=sorted(ROWS), help=argparse.SUPPRESS)
     ap.add_argument("--epochs", type=int, default=3, help=argparse.SUPPRESS)
-    ap.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.row:  # one row, in this (fresh) process: used by run()
-        result = measure_row(args.row, args.epochs, args.repeats)
-        Path(args.out).write_text(json.dumps(result))
+    if args.serve:  # one row in this fresh process, driven by run() over stdin/stdout
+        _serve(args.serve, args.epochs)
         return 0
     quick = args.quick or os.environ.get("CI") == "true" or os.environ.get("SMOKE") == "1"
     start = time.perf_counter()
