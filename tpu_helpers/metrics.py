@@ -12,6 +12,10 @@ other notebooks and the benchmarks use :func:`track` to assert "no recompiles af
   ops by name, the Python line of each host read (``.item()``, ``print(t)``, ``if t:``) and,
   when :func:`enable_compile_analysis` was called first, each compile's cause, graph hash
   and Python frame (torch_xla's ``PT_XLA_DEBUG_LEVEL`` compile analysis).
+* :func:`measure_steps`: run a training step over batches and report, after warm-up,
+  compiles, executions, transfers and CPU fallbacks per step (the table of notebook 05).
+* :func:`parse_compile_analysis`: read ``PT_XLA_DEBUG_LEVEL`` output (a file or the stderr
+  of a process) into :class:`CompileCause` records.
 
 All numbers come from ``torch_xla.debug.metrics``. Importing this module does not touch the
 XLA device.
