@@ -180,6 +180,8 @@ def test_xla_training_state_resumes_bit_identically(tmp_path):
 def test_every_rank_saves_only_rank0_writes_and_best_comes_from_the_reduced_metric(tmp_path):
     """Two real processes (torch.distributed gloo): both call save with the same state;
     rank 0 writes; "best" is decided from an all-reduced accuracy, so both agree."""
+    decisions_dir = tmp_path.with_name(tmp_path.name + "_ranks")
+    decisions_dir.mkdir()
     code = f"""
     import json, os, sys
     import torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -202,16 +204,18 @@ def test_every_rank_saves_only_rank0_writes_and_best_comes_from_the_reduced_metr
             ckpts.save(state, step=epoch, is_writer=rank == 0, barrier=dist.barrier)
             if improved:
                 ckpts.save_best(state, is_writer=rank == 0, barrier=dist.barrier)
-        print(json.dumps({{"rank": rank, "decisions": decisions}}), flush=True)
+        # one file per rank: two processes printing to one pipe can interleave their lines
+        with open(os.path.join({str(decisions_dir)!r}, f"rank{{rank}}.json"), "w") as f:
+            json.dump({{"rank": rank, "decisions": decisions}}, f)
         dist.destroy_process_group()
 
     if __name__ == "__main__":
         mp.start_processes(rank_main, nprocs=2, start_method="fork")
     """
-    proc = run_python(code, timeout=120)
+    run_python(code, timeout=120)
     import json
 
-    lines = [json.loads(s) for s in proc.stdout.splitlines() if s.startswith("{")]
+    lines = [json.loads(p.read_text()) for p in sorted(decisions_dir.glob("rank*.json"))]
     assert sorted(d["rank"] for d in lines) == [0, 1]
     assert lines[0]["decisions"] == lines[1]["decisions"] == [True, False, True]
     ckpts = CheckpointDir(tmp_path)
