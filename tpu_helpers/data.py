@@ -28,11 +28,14 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 #: Mean and standard deviation of ``png / 255`` over the digits training split.
 DIGITS_MEAN = 0.3054
@@ -47,6 +50,20 @@ class DataError(ValueError):
 
 # --------------------------------------------------------------------------- where
 
+
+
+def _select_split(table: pd.DataFrame, path: Path | str, split: str | None) -> pd.DataFrame:
+    """Rows of ``split`` (all rows for None); a clear error for a bad split or no rows."""
+    if split is not None:
+        if split not in SPLITS:
+            raise DataError(f"split must be one of {SPLITS} or None, got {split!r}.")
+        if "split" not in table.columns:
+            raise DataError(f"{path}: no 'split' column, cannot select split {split!r}.")
+        table = table[table["split"] == split]
+    if len(table) == 0:
+        raise DataError(f"{path}: the dataset is empty (0 rows"
+                        + (f" in split {split!r})." if split else ")."))
+    return table
 
 def data_dir() -> Path:
     """The data folder: ``$TPU_NB_DATA`` if set, else the repository's ``data/``."""
@@ -219,16 +236,7 @@ def read_labels_csv(path: str | Path, num_classes: int | None = None,
             row = table[bad].iloc[0]
             raise DataError(f"{path}: line {int(row['line'])} ({row['file']}): label "
                             f"{int(row['label'])} is out of range 0..{num_classes - 1}.")
-    if split is not None:
-        if split not in SPLITS:
-            raise DataError(f"split must be one of {SPLITS} or None, got {split!r}.")
-        if "split" not in table.columns:
-            raise DataError(f"{path}: no 'split' column, cannot select split {split!r}.")
-        table = table[table["split"] == split]
-    if len(table) == 0:
-        raise DataError(f"{path}: the dataset is empty (0 rows"
-                        + (f" in split {split!r})." if split else ")."))
-    return table.reset_index(drop=True)
+    return _select_split(table, path, split).reset_index(drop=True)
 
 
 def _check_not_ragged(path: Path) -> None:
@@ -346,13 +354,7 @@ def load_tabular_csv(path: str | Path, label_column: str = "target", split: str 
     if label_column not in table.columns:
         raise DataError(f"{path}: no label column {label_column!r}.")
     table["__line"] = np.arange(len(table)) + 2
-    if split is not None:
-        if "split" not in table.columns:
-            raise DataError(f"{path}: no 'split' column, cannot select split {split!r}.")
-        table = table[table["split"] == split]
-    if len(table) == 0:
-        raise DataError(f"{path}: the dataset is empty (0 rows"
-                        + (f" in split {split!r})." if split else ")."))
+    table = _select_split(table, path, split)
     cols = [c for c in table.columns if c not in (label_column, "split", "__line")]
     lines = table["__line"].to_numpy()
     for c in cols:
