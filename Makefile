@@ -7,6 +7,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# per-cell timeout (nbmake); each notebook is budgeted 90 s in total (make run-notebooks checks)
 NB_TIMEOUT ?= 120
 
 .PHONY: help setup lab test lint unit notebooks run-notebooks bench strip template clean
@@ -38,7 +39,7 @@ lint: $(STAMP)
 
 # One pytest run: unit tests and every notebook, so the closing line counts both.
 test: lint
-	$(BIN)/python -m pytest tests notebooks --nbmake --nbmake-timeout=$(NB_TIMEOUT) -p no:cacheprovider
+	$(BIN)/python -m pytest tests notebooks --nbmake --nbmake-timeout=$(NB_TIMEOUT) -p no:cacheprovider --durations=20
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests -p no:cacheprovider

@@ -135,3 +135,24 @@ def test_write_renders_badges_and_setup_cell(good):
     assert tpl.main(["--write", str(good.parent)]) == 0
     assert tpl.check_notebook(good) == []
     assert tpl.main(["--check", str(good.parent)]) == 0
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_valid_nbformat(path: Path):
+    import warnings
+
+    import nbformat
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. MissingIDFieldWarning
+        nbformat.validate(nbformat.read(path, as_version=4))
+
+
+def test_strip_gives_missing_cell_ids(good):
+    nb = json.loads(good.read_text())
+    nb["nbformat_minor"] = 5
+    for c in nb["cells"]:
+        c.pop("id", None)
+    tpl.strip(nb)
+    ids = [c["id"] for c in nb["cells"]]
+    assert len(set(ids)) == len(ids) == len(nb["cells"])

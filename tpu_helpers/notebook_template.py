@@ -167,8 +167,19 @@ def _set_source(cell: dict[str, Any], text: str) -> None:
 
 
 def strip(nb: dict[str, Any]) -> dict[str, Any]:
-    """Drop outputs, execution counts and per-run metadata (in place; returns nb)."""
-    for c in nb.get("cells", []):
+    """Drop outputs, execution counts and per-run metadata (in place; returns nb).
+
+    Also gives every cell a stable id where the format (4.5+) wants one.
+    """
+    wants_ids = (nb.get("nbformat", 4), nb.get("nbformat_minor", 0)) >= (4, 5)
+    taken = {c["id"] for c in nb.get("cells", []) if c.get("id")}
+    for i, c in enumerate(nb.get("cells", [])):
+        if wants_ids and not c.get("id"):
+            new_id = f"cell-{i:02d}"
+            while new_id in taken:
+                new_id += "x"
+            c["id"] = new_id
+            taken.add(new_id)
         if c.get("cell_type") == "code":
             c["outputs"] = []
             c["execution_count"] = None
