@@ -8,7 +8,7 @@ Every row trains ``tpu_helpers.models.DigitsCNN`` on the shipped digits (train s
 
   (a) seed 002's loop as written: ``ParallelLoader``, Adam, ``loss.item()`` every 10 steps,
       no ``drop_last``. Only names that were removed are replaced (``xm.xla_device`` ->
-      ``torch_xla.device()``, ``xm.xrt_world_size`` -> ``xr.world_size()``, ``nprocs=8`` ->
+      ``torch_xla.device()``, removed ``xm.xrt_world_size`` -> ``xr.world_size()``, ``nprocs=8`` ->
       default) plus the one change without which it does not run at all: a
       ``ParallelLoader`` is not iterable (``TypeError``), so the loop iterates
       ``para_loader.per_device_loader(device)``. As written, the one ``ParallelLoader`` is
