@@ -21,10 +21,10 @@ decoded per item) to show what no loader can hide. Taught in notebooks/02_parall
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
+from benchmarks._common import quick_mode
 from tpu_helpers.env import configure_emulation
 
 BATCH_SIZE = 64
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats (CI)")
     args = ap.parse_args(argv)
-    quick = args.quick or os.environ.get("CI") == "true" or os.environ.get("SMOKE") == "1"
+    quick = quick_mode(args.quick)
     start = time.perf_counter()
     rows = run(quick=quick)
     print(format_rows(rows))

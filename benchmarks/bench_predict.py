@@ -33,6 +33,8 @@ import tracemalloc
 import numpy as np
 import torch
 
+from benchmarks._common import quick_mode
+
 GOAL_RATIO = 1.15
 
 
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     import pandas as pd
 
-    rows = run(args.quick)
+    rows = run(quick_mode(args.quick))
     speed_row, mem_rows = rows[0], rows[1:]
     print(pd.Series(speed_row).to_string(), end="\n\n")
     print(pd.DataFrame(mem_rows).drop(columns="benchmark").set_index("case").to_string(),

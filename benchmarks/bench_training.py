@@ -67,6 +67,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from benchmarks._common import quick_mode
+
 REPO = Path(__file__).resolve().parent.parent
 BATCH_SIZE = 64
 #: Ours and the upstream pattern log every 20 steps (upstream's default log_steps).
@@ -591,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:  # one row in this fresh process, driven by run() over stdin/stdout
         _serve(args.serve, args.epochs)
         return 0
-    quick = args.quick or os.environ.get("CI") == "true" or os.environ.get("SMOKE") == "1"
+    quick = quick_mode(args.quick)
     start = time.perf_counter()
     rows = run(quick=quick)
     print(format_rows(rows))

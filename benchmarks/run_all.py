@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks import bench_loader, bench_predict, bench_training
+from benchmarks._common import quick_mode
 
 BENCHMARKS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {
     "training": bench_training.run,
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated subset of: " + ", ".join(BENCHMARKS))
     ap.add_argument("--json", help="also write every row (and the machine) to this file")
     args = ap.parse_args(argv)
-    quick = args.quick or os.environ.get("CI") == "true" or os.environ.get("SMOKE") == "1"
+    quick = quick_mode(args.quick)
     chosen = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(BENCHMARKS))
     if unknown:
