@@ -430,8 +430,13 @@ class SpmdMesh:
 
     def to_host(self, pending):
         import torch_xla
+        import torch_xla.core.xla_model as xm
 
         flat = [t for pair in pending for t in pair]
+        # The newest pending step may still be executing (MpDeviceLoader's sync launches
+        # it asynchronously), and reading shards cannot wait for a tensor the way a
+        # transfer does: it fails with "async operation is in flight". Wait first.
+        xm.wait_device_ops()
         # Each device's shard as is, all in one transfer (fetching the global tensor
         # instead would compile a replication program per tensor).
         shards = torch_xla._XLAC._get_local_shards(flat)
