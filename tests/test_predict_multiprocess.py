@@ -58,6 +58,7 @@ for n, batch in json.loads(sys.argv[4]):
     pred = predict(model, sub, batch, backend=backend, csv_path=f"{out}/pred-{n}.csv")
     assert (pred is None) == (rank != 0), (rank, pred)
     if pred is not None:
+        report[f"compiles-{n}"] = pred.compiles
         np.save(f"{out}/gathered-{n}.npy", pred.values)
         report[f"dups-{n}"] = pred.duplicates
         report[f"padding-{n}"] = pred.padding_rows
@@ -106,6 +107,8 @@ def test_three_real_processes_gather_exactly_once_in_order(tmp_path):
         assert gathered.shape == (n, 10)
         np.testing.assert_allclose(gathered, full[:n], rtol=1e-5, atol=1e-5)
         assert reports[0][f"dups-{n}"] == 0
+        # one graph per batch shape, as on the other paths (each case has a new batch)
+        assert reports[0][f"compiles-{n}"] == 1, (n, reports[0][f"compiles-{n}"])
         steps = -(-n // (batch * world))
         assert reports[0][f"padding-{n}"] == steps * batch * world - n
         frame = pd.read_csv(tmp_path / f"pred-{n}.csv", index_col="index")

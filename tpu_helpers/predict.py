@@ -492,6 +492,13 @@ class TorchDistributedReplicas:
     def gather_step(self, out, ids):
         import torch.distributed as dist
 
+        if out.device.type == "xla":
+            import torch_xla
+
+            # Run the step and keep its result on the device first: a fetch alone runs
+            # the graph without keeping the result, so the loader's next sync would
+            # compile (a second graph) and run the forward pass again.
+            torch_xla.sync()
         gathered = []
         for t in _fetch([out, ids]):
             parts = [torch.empty_like(t) for _ in range(self.world_size)]
