@@ -64,7 +64,8 @@ def test_load_refuses_pickled_objects_and_names_the_file(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"obj": NotATensor()}, path)
     with pytest.raises(CheckpointError,
-                       match=r"evil\.pt: refused to load: it holds a \S*NotATensor object"):
+                       match=r"evil\.pt: refused: not a plain checkpoint: it asks to build a "
+                             r"\S*NotATensor object"):
         load_checkpoint(path)
 
 

@@ -35,11 +35,12 @@ import pickle
 import random
 import re
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -53,6 +54,10 @@ STORAGE_KINDS = ("shared", "local")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or loaded, explained in one sentence naming it."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A file refused because loading it would build objects or call functions (run code)."""
 
 
 # --------------------------------------------------------------------------- who writes
@@ -167,36 +172,53 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def write_atomically(path: str | os.PathLike[str], obj: Any) -> Path:
-    """``torch.save(obj)`` to a temp file next to ``path``, fsync it, ``os.replace`` it.
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    """Make a rename inside ``folder`` durable (a preempted VM loses the page cache)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
-    A crash or SIGKILL at any point leaves either the previous file or the new one under
-    ``path``; at worst a ``<name>.tmp-<pid>`` file stays behind (ignored when loading,
-    removed by :meth:`CheckpointDir.remove_stale_temp_files`).
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any]) -> Path:
+    """Write a file so that a crash or kill at any moment leaves the old file or the new one.
+
+    ``write(f)`` writes the content to ``f``, a temp file opened ``"wb"`` in ``path``'s
+    folder (``<name>.tmp-<pid>-<random>``); then the file is flushed and fsync'ed,
+    moved onto ``path`` with ``os.replace``, and the folder fsync'ed. If ``write`` raises, the temp
+    file is removed; after a SIGKILL it stays behind, never under ``path`` (ignored when
+    loading, removed by :meth:`CheckpointDir.remove_stale_temp_files`). The one way this
+    package writes a file: checkpoints, ``history.json``, prediction CSVs and shards.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}{TEMP_MARKER}{os.getpid()}")
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}{TEMP_MARKER}{os.getpid()}-",
+                               dir=path.parent)
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
-    try:  # make the rename itself durable (a preempted VM loses the page cache)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return path
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
     return path
+
+
+def write_atomically(path: str | os.PathLike[str], obj: Any) -> Path:
+    """``torch.save(obj)`` to ``path`` through :func:`atomic_write`."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save_checkpoint(
@@ -231,31 +253,38 @@ def save_checkpoint(
     return written
 
 
+def _refusal(path: Path, exc: BaseException) -> CheckpointError | None:
+    """An :class:`UnsafeCheckpointError` if ``torch.load`` refused the file's content."""
+    found = re.search(r"GLOBAL (\S+)", str(exc))  # the class or function it would call
+    if not (isinstance(exc, pickle.UnpicklingError) and found):
+        return None
+    return UnsafeCheckpointError(
+        f"{path}: refused: not a plain checkpoint: it asks to build a "
+        f"{found.group(1).rstrip('.,:')} object. Only tensors "
+        "and plain containers are loaded (torch.load(weights_only=True)); nothing from the "
+        "file was run. Load it only if you made it, and then not with this package.")
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load a checkpoint onto the CPU with ``torch.load(weights_only=True)``.
 
-    Raises :class:`CheckpointError` naming the file if it is missing, truncated or
-    corrupt, or holds anything but tensors and plain containers (which could run code).
+    Nothing in the file can run code. Raises :class:`UnsafeCheckpointError` naming the
+    file if it holds anything but tensors and plain containers (a pickled object or
+    function: it is refused, not run), and :class:`CheckpointError` naming the file if
+    it is missing, truncated or corrupt, or not a dict.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file.")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        if unsafe:
-            raise CheckpointError(
-                f"{path}: refused to load: it holds a {unsafe.group(1)} object, not only "
-                "tensors and plain containers (weights_only=True never runs pickled code)."
-            ) from exc
-        raise CheckpointError(f"{path}: corrupt or truncated checkpoint (not a valid "
-                              "torch.save file).") from exc
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"{path}: corrupt or truncated checkpoint ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})."
-        ) from exc
+    except Exception as exc:  # torch.load raises many types for damaged files
+        refused = _refusal(path, exc)
+        if refused is not None:
+            raise refused from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(f"{path}: corrupt or truncated checkpoint, not a complete "
+                              f"torch.save file ({type(exc).__name__}: {first}).") from exc
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a dict, found {type(obj).__name__}.")
     return obj
@@ -323,7 +352,7 @@ class CheckpointDir:
         removed = []
         if self.directory.is_dir():
             for p in self.directory.iterdir():
-                if TEMP_MARKER in p.name and not p.name.endswith(f"{TEMP_MARKER}{os.getpid()}"):
+                if TEMP_MARKER in p.name and f"{TEMP_MARKER}{os.getpid()}-" not in p.name:
                     p.unlink(missing_ok=True)
                     removed.append(p)
         return removed
@@ -332,12 +361,16 @@ class CheckpointDir:
         """The newest step checkpoint that loads, and its path; ``(None, None)`` if none.
 
         A file that fails to load (e.g. damaged on disk) is reported with a warning and
-        the next older one is tried.
+        the next older one is tried. A refused file (:class:`UnsafeCheckpointError`:
+        someone put a file here that would run code) is raised, not skipped: resuming
+        quietly from an older checkpoint would change the run.
         """
         for step in reversed(self.steps()):
             path = self.path_for(step)
             try:
                 return load_checkpoint(path), path
+            except UnsafeCheckpointError:
+                raise
             except CheckpointError as exc:
                 warnings.warn(f"skipping unreadable checkpoint: {exc}", stacklevel=2)
         return None, None

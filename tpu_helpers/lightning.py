@@ -41,7 +41,7 @@ from lightning.fabric.plugins import XLACheckpointIO
 from lightning.pytorch.accelerators import XLAAccelerator
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from tpu_helpers.checkpoint import write_atomically
+from tpu_helpers.checkpoint import load_checkpoint, write_atomically
 from tpu_helpers.env import EnvironmentProblem, Runtime, detect_runtime, layout_for
 from tpu_helpers.models import DigitsCNN
 from tpu_helpers.predict import Ordered, PredictionError, exactly_once
@@ -131,6 +131,15 @@ class AtomicXLACheckpointIO(XLACheckpointIO):
 
         # the same host copy XLACheckpointIO makes: every XLA tensor in one batched transfer
         write_atomically(path, xm._maybe_convert_to_cpu(checkpoint, convert=True))
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's resume and ``load_from_checkpoint`` path, through
+        :func:`tpu_helpers.checkpoint.load_checkpoint`: plain tensors and containers only,
+        even if the caller asks for ``weights_only=False`` (a crafted checkpoint cannot
+        run code). ``map_location`` is ignored: it loads to the CPU, as Lightning's
+        XLA strategy does before moving the state to the device."""
+        return load_checkpoint(path)
 
 
 def _check_devices_argument(devices: Any) -> None:
@@ -392,7 +401,7 @@ def merge_rank_files(output_dir: str | Path, world_size: int, n: int) -> Ordered
         if not path.is_file():
             raise PredictionError(f"{path}: missing; rank {rank} of {world_size} did not "
                                   "write its predictions.")
-        rec = torch.load(path, weights_only=True)
+        rec = load_checkpoint(path)  # plain tensors and containers only: cannot run code
         if rec["n"] != n or rec["world_size"] != world_size:
             raise PredictionError(f"{path}: written for {rec['n']} samples on "
                                   f"{rec['world_size']} ranks, merging {n} on {world_size}.")
@@ -413,7 +422,7 @@ def read_predictions(output_dir: str | Path) -> Ordered:
     if not path.is_file():
         raise PredictionError(f"{path}: missing; did trainer.predict finish with an "
                               "ExactlyOncePredictionWriter writing here?")
-    rec = torch.load(path, weights_only=True)
+    rec = load_checkpoint(path)
     return Ordered(rec["index"].numpy(), rec["values"], int(rec["duplicates"]))
 
 

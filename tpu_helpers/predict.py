@@ -34,16 +34,17 @@ module does not touch the XLA device.
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import zipfile
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
+
+from tpu_helpers.checkpoint import atomic_write
 
 #: Default bound on the gathered rows held per chunk (device and host), in bytes.
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -255,24 +256,6 @@ class OrderedBuffer:
 # --------------------------------------------------------------------------- result
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp)`` for a temp file in ``path``'s folder, then ``os.replace`` it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
 @dataclass(frozen=True)
 class Predictions:
     """Predictions in dataset order: ``values[i]`` is the output for dataset index ``i``."""
@@ -309,7 +292,7 @@ class Predictions:
     def to_csv(self, path: str | Path) -> Path:
         """Write ``frame`` as CSV atomically (temp file in the same folder, then rename)."""
         frame = self.frame
-        return atomic_write(path, lambda tmp: frame.to_csv(tmp))
+        return atomic_write(path, frame.to_csv)
 
 
 # --------------------------------------------------------------------------- backends
@@ -886,11 +869,8 @@ class _ShardWriter:
         ids = np.concatenate([i.numpy() for _, i in parts])
         path = self.dir / _chunk_name(self.rank, self.world_size, self.chunks)
 
-        def save(tmp: Path) -> None:
-            with open(tmp, "wb") as f:
-                np.savez(f, index=ids[:, 0], mask=ids[:, 1] != 0, values=values)
-
-        atomic_write(path, save)
+        atomic_write(path, lambda f: np.savez(f, index=ids[:, 0], mask=ids[:, 1] != 0,
+                                              values=values))
         self.chunks += 1
         self.rows += int((ids[:, 1] != 0).sum())
 
@@ -898,7 +878,39 @@ class _ShardWriter:
         info = {"rank": self.rank, "world_size": self.world_size, "n": self.n,
                 "chunks": self.chunks, "rows": self.rows}
         atomic_write(self.dir / _manifest_name(self.rank, self.world_size),
-                     lambda tmp: tmp.write_text(json.dumps(info)))
+                     lambda f: f.write(json.dumps(info).encode()))
+
+
+def _read_manifest(manifest: Path, n: int) -> dict[str, int]:
+    """A rank's manifest (plain JSON: nothing in it can run), checked."""
+    try:
+        info = json.loads(manifest.read_text())
+    except (ValueError, OSError) as exc:
+        raise PredictionError(f"{manifest}: not a readable shard manifest ({exc}).") from exc
+    if not (isinstance(info, dict) and all(isinstance(info.get(k), int)
+                                           for k in ("n", "chunks", "rows"))):
+        raise PredictionError(f"{manifest}: not a shard manifest (needs integer n, chunks "
+                              "and rows).")
+    if info["n"] != n:
+        raise PredictionError(f"{manifest}: written for a dataset of {info['n']} "
+                              f"samples, merging for {n}.")
+    return info
+
+
+def _read_chunk(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One shard file's arrays, loaded without pickle (an object array is refused)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return z["index"], z["mask"], z["values"]
+    except ValueError as exc:
+        if "pickle" in str(exc):
+            raise PredictionError(
+                f"{path}: refused: not a plain shard file, it holds pickled Python objects "
+                "(loaded with allow_pickle=False: nothing from it was run).") from None
+        raise PredictionError(f"{path}: corrupt shard file ({exc}).") from exc
+    except (OSError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        raise PredictionError(f"{path}: corrupt or truncated shard file "
+                              f"({type(exc).__name__}: {exc}).") from exc
 
 
 def merge_shards(shard_dir: str | Path, n: int, world_size: int) -> Ordered:
@@ -906,7 +918,9 @@ def merge_shards(shard_dir: str | Path, n: int, world_size: int) -> Ordered:
 
     Checks: every rank's manifest and chunk files exist, each file holds the rows its
     manifest counts, and the rows cover ``0..n-1`` exactly once (repeats are dropped and
-    counted). Raises :class:`PredictionError` naming the missing or inconsistent file.
+    counted). Files are read as JSON and as numpy arrays without pickle, so a crafted
+    file cannot run code. Raises :class:`PredictionError` naming the missing,
+    inconsistent or refused file.
     """
     shard_dir = Path(shard_dir)
     buffer = OrderedBuffer(n)
@@ -915,18 +929,15 @@ def merge_shards(shard_dir: str | Path, n: int, world_size: int) -> Ordered:
         if not manifest.is_file():
             raise PredictionError(f"{manifest}: missing; rank {rank} did not finish writing "
                                   "its predictions.")
-        info = json.loads(manifest.read_text())
-        if info.get("n") != n:
-            raise PredictionError(f"{manifest}: written for a dataset of {info.get('n')} "
-                                  f"samples, merging for {n}.")
+        info = _read_manifest(manifest, n)
         rows = 0
-        for chunk in range(int(info["chunks"])):
+        for chunk in range(info["chunks"]):
             path = shard_dir / _chunk_name(rank, world_size, chunk)
             if not path.is_file():
                 raise PredictionError(f"{path}: missing (listed in {manifest.name}).")
-            with np.load(path, allow_pickle=False) as z:
-                buffer.add(z["index"], z["mask"], z["values"])
-                rows += int(z["mask"].sum())
+            index, mask, values = _read_chunk(path)
+            buffer.add(index, mask, values)
+            rows += int(mask.sum())
         if rows != info["rows"]:
             raise PredictionError(f"{manifest}: says {info['rows']} rows, its chunk files "
                                   f"hold {rows}.")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -34,6 +35,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from tpu_helpers.checkpoint import fsync_dir
 
 # --------------------------------------------------------------------------- meshes
 
@@ -290,9 +293,12 @@ def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
     """Save a (sharded) state dict with ``torch.distributed.checkpoint`` and torch_xla's
     ``SPMDSavePlanner``: each device's shards are written without gathering the tensor.
 
-    Written to a temporary folder next to ``directory``, then renamed onto it, so a kill
-    leaves the old checkpoint or the new one, never a mix. Works in one process without a
-    process group (SPMD); on a multi-host pod every host calls it with shared storage.
+    Written to a temporary folder next to ``directory`` (files fsync'ed by
+    ``FileSystemWriter``), then renamed onto it, so a kill leaves the old checkpoint or
+    the new one, never a mix (between the two renames the old one is
+    ``.<name>.old-<pid>``, which :func:`load_sharded_checkpoint` falls back to). Works in
+    one process without a process group (SPMD); on a multi-host pod every host calls it
+    with shared storage.
     """
     import torch.distributed.checkpoint as dist_cp
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
@@ -309,8 +315,9 @@ def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
         old = None
         if final.exists():
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
+            os.replace(final, old)  # a folder cannot be renamed over a full one
         os.replace(tmp, final)
+        fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -319,11 +326,97 @@ def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
     return final
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a ``torch.distributed.checkpoint`` ``.metadata`` file, refusing any class
+    or function but the checkpoint metadata dataclasses, ``torch.Size``, dtypes and
+    paths: a crafted file cannot call ``os.system`` (plain ``pickle.load`` would)."""
+
+    _ALLOWED = {
+        *(("torch.distributed.checkpoint.metadata", name) for name in (
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+            "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+            "_MEM_FORMAT_ENCODING")),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"), ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+
+    def __init__(self, file: Any, source: Path) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        import importlib
+
+        if (module, name) in self._ALLOWED:
+            return getattr(importlib.import_module(module), name)
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _Refused(f"{module}.{name}")
+
+
+class _Refused(pickle.UnpicklingError):
+    """A class or function :class:`_MetadataUnpickler` does not allow."""
+
+
+def _safe_reader(folder: Path):
+    """A ``FileSystemReader`` whose ``read_metadata`` uses :class:`_MetadataUnpickler` and
+    checks the result, so nothing in the folder can run code when it is loaded."""
+    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class SafeFileSystemReader(dist_cp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            path = Path(self._get_metadata_path(kwargs.get("rank")))
+            try:
+                with open(path, "rb") as f:
+                    metadata = _MetadataUnpickler(f, path).load()
+            except _Refused as exc:
+                raise ShardedCheckpointError(
+                    f"{path}: refused: not a plain checkpoint metadata file, it asks to "
+                    f"build {exc} (only the checkpoint's own metadata classes are "
+                    "allowed; nothing from the file was run).") from None
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+                    IndexError, KeyError, OSError) as exc:
+                raise ShardedCheckpointError(f"{path}: corrupt or truncated checkpoint "
+                                             f"metadata ({type(exc).__name__}: {exc}).") from exc
+            _check_metadata(metadata, path, folder)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(folder)
+
+
+def _check_metadata(metadata: Any, path: Path, folder: Path) -> None:
+    """The metadata is a ``Metadata`` whose data files are plain names in ``folder``."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ShardedCheckpointError(f"{path}: not checkpoint metadata (found "
+                                     f"{type(metadata).__name__}).")
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ShardedCheckpointError(f"{path}: refused: names data file {name!r}, "
+                                         f"which is not a file inside {folder}.")
+
+
+class ShardedCheckpointError(RuntimeError):
+    """A sharded checkpoint folder that cannot be loaded (or is refused), naming the file."""
+
+
 def load_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str]
                             ) -> Mapping[str, Any]:
     """Load a checkpoint written by :func:`save_sharded_checkpoint` into ``state_dict``,
     in place: each device reads only its own shards, the shardings are kept.
 
+    Nothing in the folder can run code: ``.metadata`` (which ``torch.distributed.checkpoint``
+    would unpickle with plain ``pickle``) is read by a restricted unpickler that allows
+    only the checkpoint's metadata classes, and the tensors with ``weights_only`` loading.
     Checks first, on the host, that the folder is a checkpoint and that every tensor in
     ``state_dict`` is in it with the same shape (a clear error naming the folder and the
     key otherwise). Returns ``state_dict``.
@@ -332,9 +425,15 @@ def load_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
     from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
     folder = Path(directory)
+    if not folder.exists():  # killed between save_sharded_checkpoint's two renames?
+        previous = sorted(folder.parent.glob(f".{folder.name}.old-*"))
+        if previous:
+            warnings.warn(f"{folder} is missing; loading {previous[-1].name}, the checkpoint "
+                          "it replaced when a save was interrupted.", stacklevel=2)
+            folder = previous[-1]
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(f"{folder}: not a sharded checkpoint (no .metadata file)")
-    reader = dist_cp.FileSystemReader(folder)
+    reader = _safe_reader(folder)
     saved = reader.read_metadata().state_dict_metadata
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):

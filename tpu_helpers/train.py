@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from tpu_helpers.checkpoint import (
     CheckpointDir,
+    atomic_write,
     capture_training_state,
     is_checkpoint_writer,
     restore_training_state,
@@ -501,10 +502,13 @@ def fit(config: TrainConfig) -> dict[str, Any]:
         save_checkpoint(out / "final.pt", {"model": model.state_dict(), "step": step},
                         storage=config.storage)
         if is_checkpoint_writer(config.storage):
-            tmp = out / f"history.json.tmp-{os.getpid()}"
-            tmp.write_text(json.dumps(history, indent=1))
-            os.replace(tmp, out / "history.json")
+            save_history(out / "history.json", history)
     return history
+
+
+def save_history(path: str | os.PathLike[str], history: dict[str, Any]) -> Path:
+    """Write ``history`` as JSON with :func:`tpu_helpers.checkpoint.atomic_write`."""
+    return atomic_write(path, lambda f: f.write(json.dumps(history, indent=1).encode()))
 
 
 def _config_dict(config: TrainConfig) -> dict[str, Any]:

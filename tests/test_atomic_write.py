@@ -1,0 +1,91 @@
+"""One meaning of "atomic" for every file the package writes: a SIGKILL in the middle of
+writing leaves the previous file whole (checkpoints: tests/test_checkpoint.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+from conftest import REPO
+
+from tpu_helpers.checkpoint import TEMP_MARKER, atomic_write
+
+WRITERS = {
+    # each writes version 1 (small), says so, then version 2 (large, slow to write)
+    "predictions csv": """
+import sys, numpy as np
+from tpu_helpers.predict import Predictions
+path = sys.argv[1] + "/predictions.csv"
+Predictions(np.ones((3, 2), np.float32)).to_csv(path)
+print("v1", flush=True)
+Predictions(np.random.default_rng(0).random((3_000_000, 2), np.float32)).to_csv(path)
+""",
+    "history.json": """
+import sys
+from tpu_helpers.train import save_history
+path = sys.argv[1] + "/history.json"
+save_history(path, {"version": 1, "log": []})
+print("v1", flush=True)
+save_history(path, {"version": 2, "log": [{"step": i, "loss": 0.5} for i in range(400_000)]})
+""",
+}
+
+
+def _kill_mid_write(tmp_path, code: str) -> str:
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    temp: list = []
+    try:
+        assert proc.stdout.readline().strip() == "v1", proc.stderr.read()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            temp = [p for p in tmp_path.iterdir() if TEMP_MARKER in p.name]
+            if temp and temp[0].stat().st_size > 100_000:  # version 2 is being written
+                break
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert temp, "the kill did not land mid-write"
+    return temp[0].name
+
+
+@pytest.mark.parametrize("what", sorted(WRITERS))
+def test_sigkill_mid_write_leaves_the_previous_file_whole(tmp_path, what):
+    temp = _kill_mid_write(tmp_path, WRITERS[what])
+    if what == "history.json":
+        assert temp.startswith("history.json" + TEMP_MARKER)
+        assert json.loads((tmp_path / "history.json").read_text()) == {"version": 1, "log": []}
+    else:
+        assert temp.startswith("predictions.csv" + TEMP_MARKER)
+        frame = pd.read_csv(tmp_path / "predictions.csv", index_col="index")
+        assert frame.shape == (3, 2) and (frame.to_numpy() == 1).all()
+
+
+def test_a_failed_write_keeps_the_old_file_and_removes_the_temp_file(tmp_path):
+    path = atomic_write(tmp_path / "a.txt", lambda f: f.write(b"old"))
+
+    def half_then_fail(f):
+        f.write(b"new, half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, half_then_fail)
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # not mkstemp's 0600
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
