@@ -347,7 +347,7 @@ def ours_row(epochs: int, images, labels, sgd: bool = False) -> None:
         loader.sampler.set_epoch(epoch)
         totals = train_epoch(model, optimizer, pl.MpDeviceLoader(loader, device),
                              log_every=config.log_every, on_log=on_log,
-                             after_step=lambda k: BENCH.step(), seed=config.seed,
+                             after_step=lambda k, _totals: BENCH.step(), seed=config.seed,
                              first_step=step)
         step += len(loader)
         logged.append(totals.cpu())  # the epoch summary, as fit() reads it

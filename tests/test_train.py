@@ -88,6 +88,13 @@ def test_sigkill_at_a_random_step_then_resume_gives_bit_identical_weights(tmp_pa
         assert torch.equal(a[k], b[k]), f"{k} differs (killed at step {kill_at})"
     history = json.loads((killed / "history.json").read_text())
     assert history["total_steps"] == STEPS
+    # the killed epoch is reported as the uninterrupted run reports it: all its steps in
+    # the metrics, the same log steps and windows
+    reference = json.loads((whole / "history.json").read_text())
+    fields = ("epoch", "steps", "step", "train_loss", "train_acc", "eval_loss", "eval_acc")
+    assert [{k: r[k] for k in fields} for r in history["epochs"]] == [
+        {k: r[k] for k in fields} for r in reference["epochs"]]
+    assert history["log"] == reference["log"], (kill_at, saved)
     counters = history["compile_cache"]
     assert counters.get("PersistentCacheDeserializeFailure", 0) + counters.get(
         "PersistentCacheHit", 0) > 0, counters

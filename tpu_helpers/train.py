@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from tpu_helpers.checkpoint import (
     CheckpointDir,
+    CheckpointError,
     atomic_write,
     capture_training_state,
     is_checkpoint_writer,
@@ -91,6 +92,10 @@ class TrainConfig:
     storage: str = "shared"
     #: Continue from the newest checkpoint in out_dir/checkpoints if there is one.
     resume: bool = True
+    #: If that checkpoint was written with other run settings (batch size, device count,
+    #: mode, seed, data size), keep its weights and optimizer state and start its next
+    #: epoch with the new settings, instead of refusing (:class:`ResumeMismatch`).
+    resume_new_settings: bool = False
     #: "bar" (one tqdm bar on the master), "lines" ("step k/n" lines), or "none".
     progress: str = "bar"
     #: Persistent compile cache folder, "auto" (compile_cache_dir() on a TPU, off without
@@ -153,20 +158,25 @@ def train_epoch(
     *,
     log_every: int = 5,
     on_log: Callable[[int, torch.Tensor], None] | None = None,
-    after_step: Callable[[int], None] | None = None,
+    after_step: Callable[[int, torch.Tensor], None] | None = None,
     max_batches: int | None = None,
     seed: int | None = None,
     first_step: int = 0,
     replica: int = 0,
+    totals: torch.Tensor | None = None,
+    position: int = 0,
 ) -> torch.Tensor:
     """Train over device ``batches``; return the epoch's ``[loss_sum, correct, count]``.
 
     ``batches`` yields ``(x, y)`` already on the device (``pl.MpDeviceLoader``, which also
-    cuts the graph after every batch). Every ``log_every`` steps ``on_log(k, totals)`` is
-    queued with ``xm.add_step_closure``: it runs after step ``k`` has executed, with the
-    running totals as a materialised device tensor (read it with ``.cpu()``: that is the
-    only device-to-host transfer of the loop). ``after_step(k)`` runs on the host right
-    after step ``k`` is traced (progress bars, checkpoints). Stops after ``max_batches``.
+    cuts the graph after every batch). ``position``: batches of this epoch already run
+    (resuming mid-epoch), ``totals``: their ``[loss_sum, correct, count]`` on the device.
+    Whenever ``position + k`` is a multiple of ``log_every``, ``on_log(position + k,
+    totals)`` is queued with ``xm.add_step_closure``: it runs after step ``k`` has
+    executed, with the running totals as a materialised device tensor (read it with
+    ``.cpu()``: that is the only device-to-host transfer of the loop). ``after_step(k,
+    totals)`` runs on the host right after step ``k`` is traced (progress bars,
+    checkpoints). Stops after ``max_batches``.
 
     With ``seed``, the device RNG (dropout) is set to
     ``step_seed(seed, first_step + k, replica)`` before step ``k``: the random numbers
@@ -179,17 +189,18 @@ def train_epoch(
 
     model.train()
     device = next(model.parameters()).device
-    totals = torch.zeros(3).to(device)  # device data, not a graph op: same graph every step
+    if totals is None:  # device data, not a graph op: the same graph every step
+        totals = torch.zeros(3).to(device)
     k = 0
     for x, y in batches:
         if seed is not None:
             xm.set_rng_state(step_seed(seed, first_step + k + 1, replica))
         totals = totals + train_step(model, optimizer, x, y)
         k += 1
-        if on_log is not None and k % log_every == 0:
-            xm.add_step_closure(on_log, args=(k, totals))
+        if on_log is not None and (position + k) % log_every == 0:
+            xm.add_step_closure(on_log, args=(position + k, totals))
         if after_step is not None:
-            after_step(k)
+            after_step(k, totals)
         if max_batches is not None and k >= max_batches:
             break
     torch_xla.sync()  # run what is pending (and its closures) if we stopped early
@@ -292,10 +303,13 @@ class _Logger:
     is_master: bool
     bar: Any = None
     rows: list[dict[str, float]] = field(default_factory=list)
-    _prev: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    _prev: tuple[float, ...] = (0.0, 0.0, 0.0)
 
-    def new_epoch(self, first_step: int) -> None:
-        self.first_step, self._prev = first_step, (0.0, 0.0, 0.0)
+    def new_epoch(self, first_step: int, prev: Iterable[float] | None = None) -> None:
+        """``first_step``: the global step before the epoch's first batch; ``prev``: the
+        totals at the epoch's last log point (resuming mid-epoch), else zeros."""
+        self.first_step = first_step
+        self._prev = tuple(float(v) for v in prev) if prev is not None else (0.0, 0.0, 0.0)
 
     def __call__(self, k: int, totals: torch.Tensor) -> None:  # runs as a step closure
         loss_sum, correct, count = (float(v) for v in totals.cpu())  # the one transfer
@@ -385,26 +399,25 @@ def fit(config: TrainConfig) -> dict[str, Any]:
     if config.out_dir:
         ckpts = CheckpointDir(Path(config.out_dir) / "checkpoints", keep=config.keep,
                               storage=config.storage)
+    settings = run_settings(config, world, devices, steps_per_epoch, len(train_x))
     history: dict[str, Any] = {
-        "mode": "spmd" if config.spmd else "launch", "world_size": world, "devices": devices,
-        "batch_size": config.batch_size, "steps_per_epoch": steps_per_epoch,
-        "epochs": [], "log": [], "best_eval_acc": None, "best_epoch": None,
+        **settings, "epochs": [], "log": [], "best_eval_acc": None, "best_epoch": None,
         "resumed_from": [], "config": _config_dict(config),
+        "runs": [{"from_step": 0, "checkpoint": None, "settings": settings}],
     }
     epoch, skip, step = 0, 0, 0
-    epoch_rng = None
+    epoch_rng = resume_totals = resume_prev = None
     saved_at: list[int] = []  # steps checkpointed by this process (same on every replica)
     if ckpts is not None and config.resume:
         ckpt, path = ckpts.load_latest()
         if ckpt is not None:
-            where = restore_training_state(ckpt, model, optimizer, source=str(path))
-            epoch, skip, step = where.epoch, where.batch_in_epoch, where.step
-            history = where.extra["history"]
-            history["resumed_from"].append(path.name)
-            epoch_rng = ckpt["rng"]
+            resumed = resume_from(ckpt, path, config, settings, model, optimizer)
+            epoch, skip, step, history = resumed.epoch, resumed.skip, resumed.step, resumed.history
+            epoch_rng, resume_totals, resume_prev = resumed.epoch_rng, resumed.totals, resumed.prev
 
     logger = _Logger(first_step=step, is_master=is_master)
-    total_steps = steps_per_epoch * config.epochs
+    # the same formula fresh, resumed, or resumed with a new steps_per_epoch
+    total_steps = step - skip + (config.epochs - epoch) * steps_per_epoch
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
     if is_master and config.progress == "bar" and step < total_steps:
@@ -413,14 +426,17 @@ def fit(config: TrainConfig) -> dict[str, Any]:
         logger.bar = tqdm(total=total_steps, initial=step, desc=history["mode"],
                           file=sys.stdout, dynamic_ncols=False, ncols=90, mininterval=0.5)
 
-    def state_now(next_epoch: int, next_batch: int,
-                  host_rng: dict[str, Any] | None = None) -> dict[str, Any]:
+    def state_now(next_epoch: int, next_batch: int, host_rng: dict[str, Any] | None = None,
+                  totals: torch.Tensor | None = None) -> dict[str, Any]:
         torch_xla.sync()  # run the pending step and its logging closures first
         history["log"] = list(history["log"]) + logger.rows
         logger.rows = []
+        extra: dict[str, Any] = {"history": history, "settings": settings}
+        if next_batch:  # mid-epoch: what the rest of the epoch continues from
+            extra.update(epoch_totals=totals, log_prev=list(logger._prev))
         return capture_training_state(model, optimizer, epoch=next_epoch,
                                       batch_in_epoch=next_batch, step=step,
-                                      host_rng=host_rng, extra={"history": history})
+                                      host_rng=host_rng, extra=extra)
 
     while epoch < config.epochs and step < total_steps:
         if epoch_rng is None:
@@ -432,16 +448,19 @@ def fit(config: TrainConfig) -> dict[str, Any]:
         train_loader.sampler.set_epoch(epoch)
         run_now = min(steps_per_epoch - skip, total_steps - step)
         first = step
-        logger.new_epoch(first)
+        logger.new_epoch(first - skip, resume_prev)
+        start_totals = None if resume_totals is None else resume_totals.to(device)
+        resume_totals = resume_prev = None
 
-        def after_step(k: int, first: int = first, this_epoch: int = epoch,
-                       skip: int = skip, epoch_rng: dict[str, Any] = epoch_rng) -> None:
+        def after_step(k: int, totals: torch.Tensor, first: int = first,
+                       this_epoch: int = epoch, skip: int = skip,
+                       epoch_rng: dict[str, Any] = epoch_rng) -> None:
             nonlocal step
             step = first + k
             due = step in config.checkpoint_steps or (
                 config.checkpoint_every and step % config.checkpoint_every == 0)
             if ckpts is not None and due and skip + k < steps_per_epoch:
-                ckpts.save(state_now(this_epoch, skip + k, epoch_rng), step)
+                ckpts.save(state_now(this_epoch, skip + k, epoch_rng, totals), step)
                 saved_at.append(step)
             if logger.bar is not None:
                 logger.bar.update(1)
@@ -456,11 +475,12 @@ def fit(config: TrainConfig) -> dict[str, Any]:
                                        log_every=config.log_every,
                                        on_log=logger if is_master else None,
                                        after_step=after_step, max_batches=run_now,
-                                       seed=config.seed, first_step=first, replica=rank)
+                                       seed=config.seed, first_step=first, replica=rank,
+                                       totals=start_totals, position=skip)
         train_seconds = time.perf_counter() - started
         if skip + run_now < steps_per_epoch:  # stopped by max_steps inside the epoch
             if ckpts is not None and saved_at[-1:] != [step]:
-                ckpts.save(state_now(epoch, skip + run_now, epoch_rng), step)
+                ckpts.save(state_now(epoch, skip + run_now, epoch_rng, train_totals), step)
             break
         with track() as eval_counts:
             eval_totals = evaluate(model, pl.MpDeviceLoader(eval_loader, device,
@@ -468,15 +488,18 @@ def fit(config: TrainConfig) -> dict[str, Any]:
             torch_xla.sync()
         tr = [float(v) for v in train_totals.cpu()]  # end of epoch: two small reads
         ev = [float(v) for v in eval_totals.cpu()]
+        # Metrics cover the whole epoch, also when it was resumed in the middle; the
+        # seconds and counts cover the part this process ran (run_now steps).
         row = {
-            "epoch": epoch + 1, "steps": run_now, "step": step,
+            "epoch": epoch + 1, "steps": steps_per_epoch, "step": step,
             "train_loss": tr[0] / tr[2], "train_acc": tr[1] / tr[2],
             "eval_loss": ev[0] / ev[2], "eval_acc": ev[1] / ev[2], "eval_count": int(ev[2]),
             "train_seconds": round(train_seconds, 3),
             "steps_per_s": round(run_now / train_seconds, 2),
             "train_compiles": train_counts.counts.compiles,
             "train_transfers_from_device": train_counts.counts.transfers_from_device,
-            "log_reads": run_now // config.log_every if is_master else 0,
+            "log_reads": (steps_per_epoch // config.log_every - skip // config.log_every
+                          if is_master else 0),
             "eval_compiles": eval_counts.counts.compiles,
             "eval_transfers_from_device": eval_counts.counts.transfers_from_device,
         }
@@ -504,6 +527,74 @@ def fit(config: TrainConfig) -> dict[str, Any]:
         if is_checkpoint_writer(config.storage):
             save_history(out / "history.json", history)
     return history
+
+
+def run_settings(config: TrainConfig, world_size: int, devices: int, steps_per_epoch: int,
+                 train_samples: int) -> dict[str, Any]:
+    """What a checkpoint's step counter and RNG streams mean: a resume must match these.
+
+    The batch a step reads depends on the global batch size, how the data is sharded
+    (mode, world size, devices), the shuffle seed and the training set's size.
+    """
+    return {"mode": "spmd" if config.spmd else "launch", "world_size": world_size,
+            "devices": devices, "batch_size": config.batch_size, "seed": config.seed,
+            "train_samples": train_samples, "steps_per_epoch": steps_per_epoch}
+
+
+class ResumeMismatch(CheckpointError):
+    """The newest checkpoint was written with other run settings than this run's."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where :func:`resume_from` says the run continues, and the state it continues with."""
+
+    epoch: int
+    skip: int  # batches of ``epoch`` already run
+    step: int
+    history: dict[str, Any]
+    epoch_rng: dict[str, Any] | None  # host RNGs as of the epoch start (mid-epoch only)
+    totals: torch.Tensor | None  # the epoch's [loss_sum, correct, count] so far
+    prev: list[float] | None  # those totals at the epoch's last log point
+
+
+def resume_from(ckpt: dict[str, Any], path: Path, config: TrainConfig,
+                settings: dict[str, Any], model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer) -> Resumed:
+    """Restore ``ckpt`` (read from ``path``) into ``model``/``optimizer``; say where to go on.
+
+    The checkpoint's run settings (:func:`run_settings`) must equal ``settings``: else
+    :class:`ResumeMismatch` names the checkpoint and each setting's two values, unless
+    ``config.resume_new_settings``, which keeps the weights and optimizer state and starts
+    the checkpoint's next epoch (the current one if it was saved at an epoch end) with
+    the new settings, recorded in ``history["runs"]``.
+    """
+    saved = ckpt.get("extra", {}).get("settings")
+    changes = ([f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now"
+                for k, v in settings.items() if saved.get(k) != v]
+               if isinstance(saved, dict) else ["no run settings stored (an older format)"])
+    if changes and not config.resume_new_settings:
+        raise ResumeMismatch(
+            f"{path}: written with other run settings ({'; '.join(changes)}), so its step "
+            "counter would mean other batches. Start over (--no-resume, or another "
+            "--out-dir), or keep its weights and optimizer state and start a new epoch with "
+            "these settings (--resume-new-settings, TrainConfig(resume_new_settings=True)).")
+    where = restore_training_state(ckpt, model, optimizer, source=str(path))
+    history = where.extra["history"]
+    history["resumed_from"].append(path.name)
+    history["config"] = _config_dict(config)
+    history.setdefault("runs", []).append(
+        {"from_step": where.step, "checkpoint": path.name, "settings": settings,
+         "new_settings": bool(changes)})
+    history.update(settings)
+    extra = ckpt.get("extra", {})
+    if changes:  # a new epoch with the new settings
+        return Resumed(where.epoch + (1 if where.batch_in_epoch else 0), 0, where.step,
+                       history, None, None, None)
+    mid = where.batch_in_epoch > 0
+    return Resumed(where.epoch, where.batch_in_epoch, where.step, history, ckpt["rng"],
+                   extra.get("epoch_totals") if mid else None,
+                   extra.get("log_prev") if mid else None)
 
 
 def save_history(path: str | os.PathLike[str], history: dict[str, Any]) -> Path:
@@ -673,6 +764,10 @@ def _parser() -> argparse.ArgumentParser:
                         "writes; local: each host has its own disk, local ordinal 0 of "
                         "each host writes (default %(default)s)")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--resume-new-settings", action="store_true",
+                   help="the newest checkpoint was written with another batch size, device "
+                        "count, mode or seed: keep its weights and optimizer state and "
+                        "start its next epoch with these settings (default: refuse)")
     p.add_argument("--progress", choices=PROGRESS_KINDS, default=d.progress)
     p.add_argument("--compile-cache", default="auto", metavar="auto|off|PATH",
                    help="persistent XLA compile cache (default: auto = on a TPU the "
@@ -705,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, log_every=args.log_every,
         max_steps=args.max_steps, spmd=args.spmd, out_dir=args.out_dir,
         checkpoint_every=args.checkpoint_every, keep=args.keep, storage=args.storage,
-        resume=not args.no_resume, progress=args.progress,
+        resume=not args.no_resume, resume_new_settings=args.resume_new_settings,
+        progress=args.progress,
         compile_cache=None if args.compile_cache == "off" else args.compile_cache,
         data_root=args.data)
     print(f"{runtime.summary()}; mode {'SPMD' if args.spmd else 'torch_xla.launch'}",

@@ -1,0 +1,104 @@
+"""Resuming: a checkpoint remembers the run settings its step counter depends on, refuses a
+resume with other ones (naming the checkpoint and both values), offers an explicit new
+epoch with new settings, and a mid-epoch resume reports the epoch as an uninterrupted run
+does (the same metrics and log points in history.json). The SIGKILL case is in
+tests/test_train.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+
+from tpu_helpers.checkpoint import CheckpointDir, load_checkpoint
+
+METRICS = ("epoch", "steps", "step", "train_loss", "train_acc", "eval_loss", "eval_acc",
+           "eval_count")
+
+
+def train(out: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "tpu_helpers.train", "--out-dir", str(out), "--log-every", "4",
+           "--progress", "none", "--start-method", "fork", "--compile-cache", "off", *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def metrics(history: dict) -> list[dict]:
+    return [{k: row[k] for k in METRICS} for row in history["epochs"]]
+
+
+def history(out: Path) -> dict:
+    return json.loads((out / "history.json").read_text())
+
+
+@pytest.mark.slow
+def test_max_steps_stop_then_resume_reports_the_epoch_as_an_uninterrupted_run(tmp_path):
+    # 1,437 images / batch 128 = 11 steps an epoch; stop at 7 (between log points 4 and 8)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(whole, "--batch-size", "128", "--epochs", "2")
+    train(split, "--batch-size", "128", "--epochs", "2", "--max-steps", "7")
+    assert CheckpointDir(split / "checkpoints").steps() == [7]
+    resumed = train(split, "--batch-size", "128", "--epochs", "2")
+    assert "resumed from step-00000007.pt" in resumed.stdout
+    a, b = history(whole), history(split)
+    assert metrics(b) == metrics(a)  # the resumed epoch counts all 11 steps, not 4
+    assert b["log"] == a["log"]  # the same log steps and windows, 4 8 | 15 19
+    assert [r["step"] for r in b["log"]] == [4, 8, 15, 19]
+    final_a, final_b = (load_checkpoint(p / "final.pt")["model"] for p in (whole, split))
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+    assert [r["from_step"] for r in b["runs"]] == [0, 7]
+
+
+@pytest.mark.slow
+def test_other_settings_are_refused_naming_both_values_then_a_new_epoch_on_request(tmp_path):
+    out = tmp_path / "run"
+    train(out, "--batch-size", "128", "--epochs", "3", "--max-steps", "6")
+    ckpt = "step-00000006.pt"
+    stopped = history(out)
+    for args, expected in (
+        (["--batch-size", "64"], ["batch_size=128 in the checkpoint, 64 now"]),
+        (["--batch-size", "128", "--seed", "1"], ["seed=0 in the checkpoint, 1 now"]),
+        (["--batch-size", "128", "--spmd", "--cpu-devices", "2"],
+         ["mode='launch' in the checkpoint, 'spmd' now",
+          "devices=1 in the checkpoint, 2 now"]),
+    ):
+        proc = train(out, "--epochs", "3", *args, check=False)
+        assert proc.returncode != 0
+        err = " ".join(proc.stderr.split())
+        assert f"{ckpt}: written with other run settings" in err, err[-2000:]
+        for words in expected:
+            assert words in err, (words, err[-2000:])
+        assert "--resume-new-settings" in err
+        assert CheckpointDir(out / "checkpoints").steps() == [6]  # nothing was changed
+        assert history(out) == stopped
+    before = load_checkpoint(out / "checkpoints" / ckpt)["model"]
+    proc = train(out, "--batch-size", "64", "--epochs", "3", "--resume-new-settings")
+    h = history(out)
+    assert h["batch_size"] == 64 and h["config"]["batch_size"] == 64
+    assert h["steps_per_epoch"] == 22  # 1,437 / 64
+    assert h["runs"][-1] == {"from_step": 6, "checkpoint": ckpt, "new_settings": True,
+                             "settings": {**h["runs"][0]["settings"], "batch_size": 64,
+                                          "steps_per_epoch": 22}}
+    # the stopped epoch 1 is not finished: training went on with epochs 2 and 3
+    assert [row["epoch"] for row in h["epochs"]] == [2, 3]
+    assert h["total_steps"] == 6 + 2 * 22
+    after = load_checkpoint(out / "final.pt")["model"]
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_another_spmd_device_count_is_refused(tmp_path):
+    out = tmp_path / "spmd"
+    train(out, "--spmd", "--cpu-devices", "4", "--max-steps", "2")
+    proc = train(out, "--spmd", "--cpu-devices", "2", check=False)
+    assert proc.returncode != 0
+    err = " ".join(proc.stderr.split())
+    assert "step-00000002.pt: written with other run settings" in err
+    assert "devices=4 in the checkpoint, 2 now" in err
