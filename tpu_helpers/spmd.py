@@ -369,7 +369,8 @@ def _safe_reader(folder: Path):
 
     class SafeFileSystemReader(dist_cp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            path = Path(self._get_metadata_path(kwargs.get("rank")))
+            rank = kwargs.get("rank")  # torch 2.9 may ask for a rank's own file
+            path = folder / (".metadata" if rank is None else f"__{rank}.metadata")
             try:
                 with open(path, "rb") as f:
                     metadata = _MetadataUnpickler(f, path).load()
