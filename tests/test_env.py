@@ -7,7 +7,9 @@ runtime runs in a fresh subprocess, because the runtime is per process.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 from conftest import run_python
@@ -140,13 +142,18 @@ def test_versions_installed_here_match():
     assert versions["torch"].split("+")[0] == versions["torch_xla"].split("+")[0] == "2.9.0"
 
 
-def test_version_problems_name_the_fix(tmp_path):
-    # A real mismatched environment: a venv-free site dir with fake dist-info metadata.
-    site = tmp_path / "site"
-    for name, version in [("torch", "2.8.0"), ("torch_xla", "2.9.0")]:
+def fake_dists(site: Path, dists: dict[str, str]) -> Path:
+    """A folder of real dist-info metadata (no code): put it first on sys.path to fake versions."""
+    for name, version in dists.items():
         info = site / f"{name}-{version}.dist-info"
         info.mkdir(parents=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return site
+
+
+def test_version_problems_name_the_fix(tmp_path):
+    # A real mismatched environment: a venv-free site dir with fake dist-info metadata.
+    site = fake_dists(tmp_path / "site", {"torch": "2.8.0", "torch_xla": "2.9.0"})
     proc = run_python(
         f"""
         import sys
@@ -160,7 +167,8 @@ def test_version_problems_name_the_fix(tmp_path):
     problems = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBLEM:")]
     mismatch = [p for p in problems if "does not match" in p]
     assert mismatch and "torch 2.8.0 does not match torch_xla 2.9.0" in mismatch[0]
-    assert "pip install torch==2.9.0 'torch_xla[tpu]==2.9.0'" in mismatch[0]
+    # torch 2.8 is a supported line: the fix keeps it and brings torch_xla (and libtpu) to 2.8
+    assert "pip install 'torch_xla[tpu]==2.8.0' libtpu==0.0.17`" in mismatch[0]
     assert any("libtpu is missing" in p for p in problems)
 
 
@@ -170,7 +178,7 @@ def test_missing_torch_xla_is_one_sentence(tmp_path):
         import importlib.metadata as md, sys
         real = md.version
         def version(name):
-            if name == "torch_xla":
+            if name.replace("-", "_") == "torch_xla":
                 raise md.PackageNotFoundError(name)
             return real(name)
         md.version = version  # hide the installed torch_xla from the metadata lookup
@@ -178,8 +186,267 @@ def test_missing_torch_xla_is_one_sentence(tmp_path):
         print("PROBLEMS:", env.version_problems(tpu=False))
         """
     )
-    fix = "torch_xla is not installed: run `pip install torch==2.9.0 torch_xla==2.9.0`"
+    fix = "torch_xla is not installed (torch 2.9.0 is): run `pip install torch_xla==2.9.0`"
     assert fix in proc.stdout
+
+
+# ------------------------------------------------- the setup planner on the platforms' images
+
+DATA = Path(__file__).parent / "data"
+
+
+def _wheel_version(url: str) -> str:
+    """torch-2.9.0%2Bcpu-cp313-...whl -> 2.9.0+cpu"""
+    return unquote(url.split("#")[0].rsplit("/", 1)[-1]).split("-")[1]
+
+
+def parse_pip_freeze(text: str) -> dict[str, str]:
+    """``name==version`` and ``name @ url-of-a-wheel`` lines (pip freeze); ``?``: no version."""
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if " @ " in line:
+            name, url = line.split(" @ ", 1)
+            out[name] = _wheel_version(url) if url.split("#")[0].endswith(".whl") else "?"
+        else:
+            name, _, version = line.partition("==")
+            out[name] = version or "?"
+    return out
+
+
+def parse_kaggle_packages(text: str) -> dict[str, str]:
+    """Kaggle/docker-python's TPU image as tests/data/kaggle-tpu-packages.txt lays it out.
+
+    ``tpu/config.txt`` gives variables, ``tpu/requirements.in`` the requirements with
+    ``${VAR}`` in them (URLs of wheels, ``name==version`` or bare names), and the Dockerfile
+    step a final ``pip install name==version`` that overrides (libtpu).
+    """
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("### "):
+            current = line[4:].split()[0]
+            sections[current] = []
+        elif current:
+            sections[current].append(line)
+    config = dict(ln.split("=", 1) for ln in sections["tpu/config.txt"]
+                  if "=" in ln and not ln.startswith("#"))
+    out: dict[str, str] = {}
+    for raw in sections["tpu/requirements.in"]:
+        line = re.sub(r"\$\{(\w+)\}", lambda m: config[m.group(1)], raw.strip())
+        if not line or line.startswith(("#", "-", "git+")):
+            continue
+        if line.startswith(("http://", "https://")):
+            out[unquote(line.rsplit("/", 1)[-1]).split("-")[0]] = _wheel_version(line)
+        else:
+            m = re.match(r"^([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*(==\s*(\S+))?", line)
+            assert m, line
+            out[m.group(1)] = m.group(4) or "?"
+    for line in sections["tpu/Dockerfile"]:
+        for name, version in re.findall(r"pip install .*?([A-Za-z0-9_\-]+)==(\S+)", line):
+            out[name] = version
+    return out
+
+
+COLAB = parse_pip_freeze((DATA / "colab-tpu-pip-freeze.txt").read_text())
+KAGGLE = parse_kaggle_packages((DATA / "kaggle-tpu-packages.txt").read_text())
+LIGHT = set(env.NOTEBOOK_PACKAGES.values())
+
+
+def test_the_published_package_lists_parse():
+    assert {k: COLAB[k] for k in ("torch", "torch-xla", "libtpu", "torchvision", "jax")} == {
+        "torch": "2.9.0+cpu", "torch-xla": "2.9.0", "libtpu": "0.0.21.1",
+        "torchvision": "0.24.0+cpu", "jax": "0.7.2"}
+    assert {k: KAGGLE[k] for k in ("torch", "torch_xla", "libtpu", "torchvision", "torchaudio",
+                                   "jax")} == {
+        "torch": "2.8.0+cpu", "torch_xla": "2.8.0", "libtpu": "0.0.17",
+        "torchvision": "0.23.0+cpu", "torchaudio": "2.8.0+cpu", "jax": "?"}
+
+
+def _no_cuda(reqs: list[str]) -> None:
+    for r in reqs:
+        name = r.split("==")[0]
+        if name in ("torch", "torchvision", "torchaudio"):
+            assert r.endswith("+cpu"), f"{r}: a CUDA build from the package index"
+
+
+@pytest.mark.parametrize("torch_imported", [False, True])
+def test_colab_image_installs_nothing_heavy(torch_imported):
+    plan = env.plan_setup(COLAB, "colab", has_tpu=True, torch_imported=torch_imported)
+    assert plan.heavy == [] and plan.changes == {} and not plan.restart_needed
+    assert plan.install == ["lightning==2.6.6"] and plan.pip_args == []
+    assert plan.target.name == "2.9"
+    assert "libtpu 0.0.21.1 (fits torch_xla 2.9.0)" in plan.before  # 0.0.21.1 is not flagged
+    assert "nothing heavy to install" in plan.before
+
+
+def test_kaggle_image_installs_nothing_heavy():
+    plan = env.plan_setup(KAGGLE, "kaggle", has_tpu=True, torch_imported=False)
+    assert plan.heavy == [] and plan.changes == {} and plan.pip_args == []
+    assert set(plan.install) <= LIGHT and "lightning==2.6.6" in plan.install
+    assert plan.target.name == "2.8"  # torch 2.8 + torch_xla 2.8 accepted as they are
+    assert "libtpu 0.0.17 (fits torch_xla 2.8.0)" in plan.before
+    assert not any(r.startswith(("torch", "libtpu", "jax")) for r in plan.install)
+
+
+def test_bare_tpu_vm_gets_the_2_9_cpu_set():
+    plan = env.plan_setup({}, "tpu-vm", has_tpu=True, torch_imported=False)
+    assert plan.install == []  # a TPU VM is yours: nothing is installed, the fix is printed
+    want = ("pip install torch==2.9.0+cpu 'torch_xla[tpu]==2.9.0' libtpu==0.0.21 "
+            "--extra-index-url https://download.pytorch.org/whl/cpu")
+    assert plan.command == want
+    assert plan.problems and all(want in p for p in plan.problems)
+    # the same bare TPU host on Colab/Kaggle installs that set plus the notebook packages
+    hosted = env.plan_setup({}, "colab", has_tpu=True, torch_imported=False)
+    assert hosted.heavy == ["torch==2.9.0+cpu", "torch_xla[tpu]==2.9.0", "libtpu==0.0.21"]
+    assert set(hosted.install) == set(hosted.heavy) | LIGHT
+    assert hosted.pip_args == ["--extra-index-url", env.CPU_INDEX]
+    _no_cuda(hosted.install)
+    assert "CPU builds from https://download.pytorch.org/whl/cpu" in hosted.before
+
+
+def test_kaggle_without_torch_xla_gets_2_8_matched_to_its_torch():
+    image = {k: v for k, v in KAGGLE.items() if k != "torch_xla"}
+    plan = env.plan_setup(image, "kaggle", has_tpu=True, torch_imported=False)
+    assert plan.heavy == ["torch_xla==2.8.0"]  # libtpu 0.0.17 fits: no [tpu] extra to move it
+    assert plan.pip_args == [] and plan.target.name == "2.8"
+    assert "libtpu 0.0.17 (fits torch_xla 2.8.0)" in plan.before
+    assert "torch_xla (none) -> 2.8.0" in plan.before
+
+
+def test_mismatched_pair_gets_a_matched_set_or_a_restart():
+    image = {**COLAB, "torch-xla": "2.8.0"}  # torch 2.9 + torch_xla 2.8
+    plan = env.plan_setup(image, "colab", has_tpu=True, torch_imported=False)
+    assert plan.heavy == ["torch_xla==2.9.0"] and not plan.restart_needed
+    assert "torch 2.9.0+cpu does not match torch_xla 2.8.0" in plan.before
+    imported = env.plan_setup(image, "colab", has_tpu=True, torch_imported=True)
+    assert imported.restart_needed and imported.install == []
+    assert "restart the runtime, then run this setup cell first" in imported.before
+
+
+def test_companions_follow_torch_only_if_present():
+    image = {**KAGGLE, "torch": "2.10.0+cpu", "torchvision": "0.25.0+cpu"}
+    image.pop("torch_xla")
+    plan = env.plan_setup(image, "kaggle", has_tpu=False, torch_imported=False)
+    assert plan.target.name == "2.9"  # torch 2.10 has no torch_xla: the default line
+    assert plan.heavy == ["torch==2.9.0+cpu", "torchvision==0.24.0+cpu",
+                          "torchaudio==2.9.0+cpu", "torch_xla==2.9.0"]
+    _no_cuda(plan.install)
+    bare = {k: v for k, v in image.items() if k not in ("torchvision", "torchaudio")}
+    plan = env.plan_setup(bare, "kaggle", has_tpu=False, torch_imported=False)
+    assert plan.heavy == ["torch==2.9.0+cpu", "torch_xla==2.9.0"]  # nothing added
+    restart = env.plan_setup(image, "kaggle", has_tpu=False, torch_imported=True)
+    assert restart.restart_needed and restart.install == []
+
+
+def test_libtpu_moves_only_when_the_pair_needs_it():
+    # Kaggle/docker-python 1499: jax's newer libtpu broke torch 2.8 (PJRT API mismatch)
+    image = {**KAGGLE, "libtpu": "0.0.23"}
+    plan = env.plan_setup(image, "kaggle", has_tpu=True, torch_imported=False)
+    assert plan.heavy == ["libtpu==0.0.17"]
+    assert "libtpu 0.0.23 does not fit torch_xla 2.8.0" in plan.before
+    assert "PJRT" in plan.before and "jax" in plan.before  # says what stays and why
+    assert env.plan_setup(image, "kaggle", False, False).heavy == []  # no TPU: libtpu unused
+
+
+def test_local_machine_never_installs():
+    image = {**COLAB, "torch-xla": None}
+    plan = env.plan_setup(image, "local", has_tpu=False, torch_imported=False)
+    assert plan.install == [] and not plan.restart_needed
+    assert plan.problems == ["torch_xla is not installed (torch 2.9.0+cpu is): run "
+                             "`pip install torch_xla==2.9.0` and restart the runtime."]
+
+
+def test_install_command_is_a_cpu_build():
+    assert env.install_command() == (
+        "pip install torch==2.9.0+cpu 'torch_xla[tpu]==2.9.0' "
+        "--extra-index-url https://download.pytorch.org/whl/cpu")
+    assert "torch_xla==2.8.0 " in env.install_command(tpu=False, version="2.8")
+    assert (env.TORCH_VERSION, env.TORCH_XLA_VERSION, env.LIBTPU_VERSION) == (
+        "2.9.0", "2.9.0", "0.0.21")
+
+
+# ------------------------------------------------------------ verifying, and setup_notebook
+
+
+def test_verify_names_a_broken_companion(tmp_path):
+    """A torchvision whose ops fail (as after the simulated downgrade) is caught by name."""
+    pkg = tmp_path / "fake" / "torchvision"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from . import ops\n")
+    (pkg / "ops.py").write_text(
+        "def nms(boxes, scores, iou_threshold):\n"
+        "    raise RuntimeError('operator torchvision::nms does not exist')\n")
+    crash = tmp_path / "fake" / "torchaudio"
+    crash.mkdir()
+    (crash / "__init__.py").write_text("import os\nos._exit(134)  # dies while loading\n")
+    problems = env.verify_environment(extra_env={"PYTHONPATH": str(tmp_path / "fake")})
+    assert len(problems) == 2, problems
+    vision, audio = problems
+    assert vision.startswith("torchvision: torchvision.ops.nms on 2 boxes failed: RuntimeError: "
+                             "operator torchvision::nms does not exist; fix: ")
+    assert "torchvision==0.24.0+cpu" in vision and "pip uninstall -y torchvision" in vision
+    assert audio.startswith("torchaudio: crashed the process (exit 134)")
+    assert env.verify_environment() == []  # the real venv: torch and torch_xla both work
+
+
+def test_setup_notebook_reports_a_failed_pip_and_never_says_fine(tmp_path):
+    site = fake_dists(tmp_path / "site", {"torch_xla": "2.8.0"})  # beside the real torch 2.9
+    proc = run_python(
+        """
+        from tpu_helpers.env import EnvironmentProblem, setup_notebook
+        try:
+            setup_notebook()
+        except EnvironmentProblem as exc:
+            print("PROBLEM:", exc)
+        """,
+        env={"PYTHONPATH": str(site), "COLAB_RELEASE_TAG": "test", "PIP_NO_INDEX": "1",
+             "PIP_FIND_LINKS": "", "PYTHONNOUSERSITE": "1"},
+    )
+    out = proc.stdout
+    before = out.index("On Colab: torch 2.9.0 does not match torch_xla 2.8.0")
+    problem = out.index("PROBLEM: pip failed")
+    assert before < problem, out  # the plan is said before anything changes
+    assert "torch_xla==2.9" in out[problem:]  # pip's own error tail
+    assert "run `pip install torch_xla==2.9.0`" in out[problem:]
+    assert "no TPU attached" not in out and "Changed:" not in out  # no all-fine summary
+
+
+def test_setup_notebook_asks_for_a_restart_when_torch_is_imported(tmp_path):
+    site = fake_dists(tmp_path / "site", {"torch_xla": "2.8.0"})
+    proc = run_python(
+        """
+        import torch
+        from tpu_helpers.env import EnvironmentProblem, setup_notebook
+        try:
+            setup_notebook()
+        except EnvironmentProblem as exc:
+            print("PROBLEM:", exc)
+        """,
+        env={"PYTHONPATH": str(site), "KAGGLE_KERNEL_RUN_TYPE": "Interactive",
+             "PIP_NO_INDEX": "1", "PYTHONNOUSERSITE": "1"},
+    )
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("PROBLEM:"))
+    assert "torch is already imported in this kernel, so nothing was changed" in line
+    assert "restart the runtime, then run this setup cell first" in line
+    assert "pip failed" not in proc.stdout
+
+
+def test_setup_notebook_in_a_used_kernel_says_restart():
+    proc = run_python(
+        """
+        import torch, torch_xla
+        torch.ones(2, device=torch_xla.device())
+        from tpu_helpers.env import EnvironmentProblem, setup_notebook
+        try:
+            setup_notebook()
+        except EnvironmentProblem as exc:
+            print("PROBLEM:", exc)
+        """
+    )
+    assert f"PROBLEM: {env.RERUN_SENTENCE}" in proc.stdout
 
 
 def test_pop_kaggle_launcher_vars_is_guarded():

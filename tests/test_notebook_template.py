@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -156,3 +162,219 @@ def test_strip_gives_missing_cell_ids(good):
     tpl.strip(nb)
     ids = [c["id"] for c in nb["cells"]]
     assert len(set(ids)) == len(ids) == len(nb["cells"])
+
+
+# ------------------------------------------------------ the metadata that asks for a TPU on open
+
+
+def test_notebooks_ask_colab_and_kaggle_for_a_tpu():
+    for path in NOTEBOOKS:
+        meta = json.loads(path.read_text())["metadata"]
+        assert meta["accelerator"] == "TPU" and meta["colab"]["gpuType"] == "V5E1", path.name
+        assert meta["kaggle"]["isInternetEnabled"] is True, path.name
+        assert meta["kaggle"]["accelerator"] == tpl.NOTEBOOK_METADATA["kaggle"]["accelerator"]
+        assert "dockerImageVersionId" not in meta["kaggle"], path.name
+
+
+@pytest.mark.parametrize("key", ["accelerator", "colab", "kaggle"])
+def test_missing_tpu_metadata_is_caught(good, key):
+    problems = _edit(good, lambda nb: nb["metadata"].pop(key))
+    assert any(p.startswith(f"metadata.{key}") for p in problems), problems
+
+
+def test_wrong_tpu_metadata_values_are_caught(good):
+    def edit(nb):
+        nb["metadata"]["colab"]["gpuType"] = "T4"
+        nb["metadata"]["kaggle"]["isInternetEnabled"] = False
+        nb["metadata"]["kaggle"]["dockerImageVersionId"] = 31259
+    problems = _edit(good, edit)
+    assert any("metadata.colab lacks gpuType" in p for p in problems)
+    assert any("metadata.kaggle lacks isInternetEnabled" in p for p in problems)
+    assert any("dockerImageVersionId pins a CPU/GPU image" in p for p in problems)
+
+
+def test_missing_runtime_menu_line_is_caught(good):
+    def drop(nb):
+        nb["cells"][0]["source"] = [ln for ln in nb["cells"][0]["source"]
+                                    if not ln.startswith(tpl.RUNTIME_PREFIX)]
+    assert any("which menu picks a TPU" in p for p in _edit(good, drop))
+
+
+def test_write_restores_metadata_and_keeps_other_keys(good):
+    def edit(nb):
+        nb["metadata"] = {"kernelspec": nb["metadata"]["kernelspec"],
+                          "colab": {"toc_visible": True},
+                          "kaggle": {"accelerator": "none", "dockerImageVersionId": 30646}}
+    assert _edit(good, edit)
+    assert tpl.main(["--write", str(good)]) == 0
+    meta = json.loads(good.read_text())["metadata"]
+    assert tpl.check_notebook(good) == []
+    assert meta["colab"]["toc_visible"] is True and "kernelspec" in meta
+    assert "dockerImageVersionId" not in meta["kaggle"]
+
+
+# --------------------------------------------- the setup cell when tpu_helpers must be fetched
+
+
+def _run_setup_cell(tmp_path: Path, source: str | None) -> subprocess.CompletedProcess[str]:
+    """Run the real setup cell where tpu_helpers is not importable.
+
+    ``python -S`` skips site-packages' .pth files (the editable install of tpu_helpers), and
+    PYTHONPATH gives back the site-packages folder for torch & co; cwd is an empty folder.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("TPU_NB_SOURCE", "PYTHONPATH")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p.endswith("site-packages"))
+    if source is not None:
+        env["TPU_NB_SOURCE"] = source
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-S", "-c", tpl.setup_cell()], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_setup_cell_uses_an_uploaded_copy(tmp_path):
+    proc = _run_setup_cell(tmp_path, str(REPO))  # a folder holding the repository
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no TPU attached" in proc.stdout
+    assert not (tmp_path / "work" / "tpu-notebooks").exists()  # nothing cloned
+
+
+@pytest.mark.parametrize("source, says", [
+    ("/nonexistent/fork.git", "does not exist"),  # a fork URL that cannot be cloned
+    ("/nonexistent/tpu_helpers-0.1.0-py3-none-any.whl", "ERROR"),  # a wheel pip cannot find
+    ("EMPTY_FOLDER", "no tpu_helpers folder there"),  # an upload without the helpers
+])
+def test_setup_cell_failure_is_one_message_with_the_alternatives(tmp_path, source, says):
+    if source == "EMPTY_FOLDER":
+        source = str(tmp_path / "upload")
+        Path(source).mkdir()
+    proc = _run_setup_cell(tmp_path, source)
+    assert proc.returncode == 1
+    assert proc.stdout.startswith(f"No tpu_helpers from {source}: ") and says in proc.stdout
+    for alternative in ("fork's git URL", "uploaded copy", "wheel", "Settings > Internet on"):
+        assert alternative in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "ModuleNotFoundError: tpu_helpers is not available: see the message above."
+    assert "CalledProcessError" not in proc.stderr and proc.stderr.count("\n") < 8
+
+
+def test_setup_cell_installs_nothing_when_the_helpers_are_importable():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import subprocess\ncalls = []\nreal = subprocess.run\n"
+         "subprocess.run = lambda *a, **k: calls.append(a) or real(*a, **k)\n"
+         + tpl.setup_cell() + "\nprint('CALLS', len(calls), 'torch_xla' in sys.modules)"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert "CALLS 0 False" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------- local JupyterLab: outputs stripped on save
+
+
+def _notebook_with_outputs():
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("print(1)", execution_count=3)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
+    nb.cells = [nbformat.v4.new_markdown_cell("# x"), cell]
+    return nb
+
+
+def test_pre_save_hook_strips_notebooks_under_the_folder_only(tmp_path):
+    class Manager:  # what the hook reads from jupyter_server's contents manager
+        root_dir = str(tmp_path)
+
+    hook = tpl.strip_on_save(tmp_path / "notebooks")
+    inside = {"type": "notebook", "content": _notebook_with_outputs()}
+    hook(model=inside, path="notebooks/00_x.ipynb", contents_manager=Manager())
+    code = inside["content"].cells[1]
+    assert code.outputs == [] and code.execution_count is None
+    outside = {"type": "notebook", "content": _notebook_with_outputs()}
+    hook(model=outside, path="scratch/x.ipynb", contents_manager=Manager())
+    assert outside["content"].cells[1].outputs
+    text = {"type": "file", "content": "x", "format": "text"}
+    hook(model=text, path="notebooks/notes.txt", contents_manager=Manager())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_jupyter_server_with_the_repo_config_saves_without_outputs(tmp_path):
+    """A real jupyter server with the repository's config, saving through its REST API."""
+    root = tmp_path / "repo"
+    (root / "notebooks").mkdir(parents=True)
+    (root / "scratch").mkdir()
+    shutil.copy(REPO / "jupyter_server_config.py", root)  # it strips under its own notebooks/
+    port, token = _free_port(), "test-token"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_server", f"--config={root / 'jupyter_server_config.py'}",
+         f"--ServerApp.root_dir={root}", f"--ServerApp.port={port}", "--ServerApp.ip=127.0.0.1",
+         f"--IdentityProvider.token={token}", "--ServerApp.open_browser=False",
+         "--ServerApp.port_retries=0", "--allow-root"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
+             "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "JUPYTER_DATA_DIR": str(tmp_path / "d")})
+    base = f"http://127.0.0.1:{port}/api/contents"
+    headers = {"Authorization": f"token {token}", "Content-Type": "application/json"}
+
+    def request(method: str, path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"{base}/{path}", data=data, method=method, headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read() or b"{}")
+
+    try:
+        for _ in range(300):
+            try:
+                request("GET", "")
+                break
+            except OSError:
+                if server.poll() is not None:
+                    raise AssertionError(server.stderr.read()) from None
+                time.sleep(0.2)
+        nb = _notebook_with_outputs()
+        for folder in ("notebooks", "scratch"):
+            request("PUT", f"{folder}/00_saved.ipynb",
+                    {"type": "notebook", "format": "json", "content": nb})
+        saved = json.loads((root / "notebooks" / "00_saved.ipynb").read_text())
+        code = saved["cells"][1]
+        assert code["outputs"] == [] and code["execution_count"] is None
+        kept = json.loads((root / "scratch" / "00_saved.ipynb").read_text())
+        assert kept["cells"][1]["outputs"] and kept["cells"][1]["execution_count"] == 3
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+# --------------------------------------------------- a notebook run twice in one kernel
+
+
+@pytest.mark.slow
+def test_notebook_00_run_twice_in_one_kernel_says_restart(monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    from tpu_helpers.env import RERUN_SENTENCE
+
+    monkeypatch.setenv("SMOKE", "1")
+    nb = nbformat.read(REPO / "notebooks" / "00_environment.ipynb", as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(REPO / "notebooks")}})
+    with client.setup_kernel():
+        for i, cell in enumerate(nb.cells):  # the first run-all passes
+            client.execute_cell(cell, i)
+        first_error = None
+        for i, cell in enumerate(nb.cells):  # the second one stops at the setup cell
+            try:
+                client.execute_cell(cell, i)
+            except CellExecutionError as exc:
+                first_error = (i, exc)
+                break
+    assert first_error is not None, "a second run-all in the same kernel must not pass silently"
+    index, exc = first_error
+    assert _src(nb.cells[index]).startswith(tpl.SETUP_MARKER)
+    assert exc.ename == "EnvironmentProblem" and RERUN_SENTENCE in exc.evalue

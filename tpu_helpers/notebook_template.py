@@ -35,6 +35,24 @@ KAGGLE_BADGE = "https://kaggle.com/static/images/open-in-kaggle.svg"
 SETUP_MARKER = "# Setup (safe to re-run)"
 CONFIG_MARKER = "# Config"
 
+#: Top-level notebook metadata with which Colab and Kaggle open a notebook on a TPU runtime.
+#: Colab: ``accelerator`` + ``colab.gpuType`` as Colab itself saves them for a v5e-1 TPU.
+#: Kaggle: the ``kaggle`` block of its own exports; the TPU value ``tpuV5e8`` is the best
+#: evidence found, not confirmed from a Kaggle export, hence :data:`RUNTIME_LINE` in cell 1.
+#: Never ``kaggle.dockerImageVersionId``: it pins a CPU/GPU image (Kaggle/kaggle-cli#1197).
+NOTEBOOK_METADATA: dict[str, Any] = {
+    "accelerator": "TPU",
+    "colab": {"provenance": [], "gpuType": "V5E1"},
+    "kaggle": {"accelerator": "tpuV5e8", "dataSources": [], "isGpuEnabled": False,
+               "isInternetEnabled": True, "language": "python", "sourceType": "notebook"},
+}
+RUNTIME_PREFIX = "**Runtime:**"
+#: The line under the badges saying which menu to click when no TPU came with the notebook.
+RUNTIME_LINE = (f"{RUNTIME_PREFIX} the badges ask for a TPU. If you get none, pick it by hand: "
+                "Colab: *Runtime > Change runtime type > v5e-1 TPU*; Kaggle: *Settings > "
+                "Accelerator > TPU VM v5e-8*, and *Settings > Internet on* (the setup cell "
+                "downloads this repository).")
+
 _NAME = re.compile(r"^(\d\d)_[a-z0-9_]+\.ipynb$")
 
 
@@ -56,29 +74,47 @@ def badges(name: str) -> str:
     )
 
 
+#: Environment variable naming another source of ``tpu_helpers`` for the setup cell.
+SOURCE_VAR = "TPU_NB_SOURCE"
+
+
 def setup_cell() -> str:
     """The setup cell every notebook starts with (identical in all of them).
 
-    Locally (this repo's venv has ``tpu_helpers`` installed) it only prints where it runs.
-    On Colab/Kaggle it clones the repo once (for ``data/`` and ``tpu_helpers``) and
-    ``setup_notebook()`` installs the matched torch/torch_xla pair only if missing.
-    """
-    return f'''{SETUP_MARKER}: on Colab/Kaggle installs the matched torch/torch_xla pair
-# and this repo's tpu_helpers only if missing; on your own machine it installs nothing.
+    Locally (this repo's venv has ``tpu_helpers`` installed) it installs nothing and only
+    prints where it runs. On Colab/Kaggle it fetches the helpers once from ``$TPU_NB_SOURCE``
+    (a fork's git URL, a folder holding an uploaded copy of the repository, or a wheel file or
+    URL; default: a clone of :data:`REPO_URL`). If that fails it prints one message listing the
+    alternatives and stops with a one-line error (no pip/git traceback). Then
+    ``setup_notebook()`` keeps a supported torch/torch_xla pair or installs a matched one
+    (:func:`tpu_helpers.env.plan_setup`)."""
+    return f'''{SETUP_MARKER}: on Colab/Kaggle gets this repo's tpu_helpers, then installs
+# only what the platform lacks (it keeps a supported torch/torch_xla pair); locally nothing.
 import importlib.util
 import os
 import subprocess
 import sys
 
 REPO_URL = "{REPO_URL}"
-if importlib.util.find_spec("tpu_helpers") is None:
+if importlib.util.find_spec("tpu_helpers") is None:  # {SOURCE_VAR}: a git URL, folder or wheel
+    _src = os.environ.get("{SOURCE_VAR}", REPO_URL)
+    _whl = _src.endswith(".whl")
     _home = next((d for d in ("/kaggle/working", "/content") if os.path.isdir(d)), os.getcwd())
-    _clone = os.path.join(_home, "tpu-notebooks")
-    if not os.path.isdir(_clone):
-        subprocess.run(["git", "clone", "-q", "--depth", "1", REPO_URL, _clone], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "-e", _clone],
-                   check=True)
-    sys.path.insert(0, _clone)
+    _dir = _src if os.path.isdir(_src) else os.path.join(_home, "tpu-notebooks")
+    _cmd = ([sys.executable, "-m", "pip", "install", "-q", _src] if _whl else
+            None if os.path.isdir(_dir) else ["git", "clone", "-q", "--depth", "1", _src, _dir])
+    _err = _cmd and subprocess.run(_cmd, capture_output=True, text=True).stderr.strip()
+    if not _whl:
+        sys.path.insert(0, _dir)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_dir, os.getenv("PYTHONPATH")]))
+    importlib.invalidate_caches()
+    if importlib.util.find_spec("tpu_helpers") is None:
+        print(f"No tpu_helpers from {{_src}}: {{_err or 'no tpu_helpers folder there'}}\\n"
+              "Instead set os.environ['{SOURCE_VAR}'] to a fork's git URL, a folder with an "
+              "uploaded copy (e.g. a Kaggle dataset in /kaggle/input) or a tpu_helpers wheel "
+              "(file or URL), then re-run this cell. On Kaggle, downloads need Settings > "
+              "Internet on.")
+        raise ModuleNotFoundError("tpu_helpers is not available: see the message above.")
 
 from tpu_helpers.env import setup_notebook
 
@@ -97,6 +133,25 @@ def _next_notebook(path: Path) -> str | None:
     """File name of the notebook after ``path`` in the course, or None for the last one."""
     later = sorted(p.name for p in path.parent.glob("[0-9][0-9]_*.ipynb") if p.name > path.name)
     return later[0] if later else None
+
+
+def metadata_problems(meta: dict[str, Any]) -> list[str]:
+    """What is missing from the metadata that makes Colab and Kaggle open on a TPU."""
+    problems = []
+    for key, want in NOTEBOOK_METADATA.items():
+        have = meta.get(key)
+        if isinstance(want, dict):
+            have = have if isinstance(have, dict) else {}
+            wrong = sorted(k for k, v in want.items() if have.get(k) != v)
+            if wrong:
+                problems.append(f"metadata.{key} lacks {', '.join(wrong)} as the template sets "
+                                "them (Colab/Kaggle would not open a TPU; run `make template`)")
+        elif have != want:
+            problems.append(f"metadata.{key} is {have!r}, not {want!r} (run `make template`)")
+    if "dockerImageVersionId" in (meta.get("kaggle") or {}):
+        problems.append("metadata.kaggle.dockerImageVersionId pins a CPU/GPU image on Kaggle "
+                        "(no TPU): remove it (run `make template`)")
+    return problems
 
 
 def check_notebook(path: str | Path) -> list[str]:
@@ -122,8 +177,11 @@ def check_notebook(path: str | Path) -> list[str]:
         problems.append(f"cell 1 lacks the Open in Colab badge for {name}")
     if f"]({kaggle_url(name)})" not in head or KAGGLE_BADGE not in head:
         problems.append(f"cell 1 lacks the Open in Kaggle badge for {name}")
+    if RUNTIME_LINE not in head:
+        problems.append("cell 1 lacks the line saying which menu picks a TPU (run `make template`)")
     if "what you will learn" not in head.lower():
         problems.append("cell 1 lacks a 'What you will learn' section")
+    problems += metadata_problems(nb.get("metadata", {}))
 
     code = [c for c in cells if c.get("cell_type") == "code"]
     if not code or _source(code[0]) != setup_cell():
@@ -195,9 +253,10 @@ def render(path: Path) -> dict[str, Any]:
     nb = json.loads(path.read_text(encoding="utf-8"))
     cells = nb["cells"]
     head = _source(cells[0])
-    lines = [ln for ln in head.splitlines() if COLAB_BADGE not in ln and KAGGLE_BADGE not in ln]
+    lines = [ln for ln in head.splitlines() if COLAB_BADGE not in ln and KAGGLE_BADGE not in ln
+             and not ln.startswith(RUNTIME_PREFIX)]
     title_end = 1 if lines and lines[0].startswith("# ") else 0
-    lines[title_end:title_end] = ["", badges(path.name)]
+    lines[title_end:title_end] = ["", badges(path.name), "", RUNTIME_LINE, ""]
     text = "\n".join(lines)
     text = re.sub(r"\n{3,}", "\n\n", text)
     _set_source(cells[0], text)
@@ -209,7 +268,40 @@ def render(path: Path) -> dict[str, Any]:
                "execution_count": None}
         _set_source(new, setup_cell())
         cells.insert(1, new)
+    set_metadata(nb)
     return strip(nb)
+
+
+def set_metadata(nb: dict[str, Any]) -> dict[str, Any]:
+    """Write :data:`NOTEBOOK_METADATA` into the notebook (in place; other keys are kept)."""
+    meta = nb.setdefault("metadata", {})
+    for key, want in NOTEBOOK_METADATA.items():
+        if isinstance(want, dict):
+            have = meta.get(key) if isinstance(meta.get(key), dict) else {}
+            have = {k: v for k, v in have.items() if k != "dockerImageVersionId"}
+            meta[key] = {**have, **json.loads(json.dumps(want))}
+        else:
+            meta[key] = want
+    return nb
+
+
+def strip_on_save(folder: str | Path):
+    """A Jupyter ``pre_save_hook`` stripping outputs of notebooks saved under ``folder``.
+
+    Used by the repository's ``jupyter_server_config.py`` (``make lab``): every save, autosave
+    included, writes the notebook as :func:`strip` leaves it; files elsewhere are untouched.
+    """
+    root = Path(folder).resolve()
+
+    def hook(model: dict[str, Any], path: str, contents_manager: Any = None, **_: Any) -> None:
+        if model.get("type") != "notebook" or not isinstance(model.get("content"), dict):
+            return
+        base = Path(getattr(contents_manager, "root_dir", None) or ".")
+        full = (base / path.lstrip("/")).resolve()
+        if root in full.parents:
+            strip(model["content"])
+
+    return hook
 
 
 def _write(path: Path, nb: dict[str, Any]) -> None:
