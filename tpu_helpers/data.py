@@ -66,14 +66,25 @@ def _select_split(table: pd.DataFrame, path: Path | str, split: str | None) -> p
     return table
 
 def data_dir() -> Path:
-    """The data folder: ``$TPU_NB_DATA`` if set, else the repository's ``data/``."""
+    """The data folder: ``$TPU_NB_DATA`` if set, else the repository's ``data/``, else the
+    copy a ``tpu_helpers`` wheel installs (the ``tpu_notebooks_data`` package)."""
     override = os.environ.get("TPU_NB_DATA")
     if override:
         path = Path(override).expanduser()
         if not path.is_dir():
             raise DataError(f"TPU_NB_DATA={override!r} is not a directory.")
         return path
-    return Path(__file__).resolve().parent.parent / "data"
+    repo = Path(__file__).resolve().parent.parent / "data"
+    if repo.is_dir():
+        return repo
+    import importlib.util
+
+    spec = importlib.util.find_spec("tpu_notebooks_data")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    raise DataError(f"no data folder: {repo} does not exist and the tpu_notebooks_data package "
+                    "(in the tpu_helpers wheel) is not installed; set TPU_NB_DATA to a folder "
+                    "laid out like the repository's data/.")
 
 
 # --------------------------------------------------------------------------- checks
