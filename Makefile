@@ -88,8 +88,9 @@ wheel: $(STAMP)
 	rm -rf dist build
 	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir dist .
 
-tpu-check: $(STAMP)
-	$(BIN)/python scripts/tpu_check.py
+# On a TPU (VM, Colab, Kaggle), in the platform's own Python: no venv of ours there.
+tpu-check:
+	$(PY) scripts/tpu_check.py
 
 clean:
 	rm -rf outputs .pytest_cache .ruff_cache .hypothesis dist build

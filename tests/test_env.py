@@ -17,6 +17,11 @@ from conftest import run_python
 from tpu_helpers import env
 from tpu_helpers.env import EnvironmentProblem, configure_emulation, detect_runtime
 
+#: The supported torch_xla line installed in this venv (2.9 in .venv, 2.8 in .venv-2.8; CI
+#: runs this file in both) and the other one, for a deliberately mismatched fake install.
+HERE = env.active_set()
+OTHER = env.SUPPORTED["2.8" if HERE.name == "2.9" else "2.9"]
+
 
 def fake_pci(root: Path, devices: list[tuple[str, str]]) -> Path:
     """Write a /sys/bus/pci/devices-like tree with (vendor, device) ids."""
@@ -139,7 +144,7 @@ def test_runtime_already_initialised_is_refused_with_the_fix():
 def test_versions_installed_here_match():
     assert env.version_problems(tpu=False) == []
     versions = env.check_versions(tpu=False)
-    assert versions["torch"].split("+")[0] == versions["torch_xla"].split("+")[0] == "2.9.0"
+    assert env.matched_set(versions["torch"], versions["torch_xla"]) is not None  # 2.8 or 2.9
 
 
 def fake_dists(site: Path, dists: dict[str, str]) -> Path:
@@ -186,7 +191,8 @@ def test_missing_torch_xla_is_one_sentence(tmp_path):
         print("PROBLEMS:", env.version_problems(tpu=False))
         """
     )
-    fix = "torch_xla is not installed (torch 2.9.0 is): run `pip install torch_xla==2.9.0`"
+    fix = (f"torch_xla is not installed (torch {HERE.torch} is): run "
+           f"`pip install torch_xla=={HERE.torch_xla[0]}`")
     assert fix in proc.stdout
 
 
@@ -360,12 +366,14 @@ def test_local_machine_never_installs():
 
 
 def test_install_command_is_a_cpu_build():
-    assert env.install_command() == (
+    assert env.install_command(version="2.9") == (
         "pip install torch==2.9.0+cpu 'torch_xla[tpu]==2.9.0' "
         "--extra-index-url https://download.pytorch.org/whl/cpu")
     assert "torch_xla==2.8.0 " in env.install_command(tpu=False, version="2.8")
+    # without a version: the supported line installed here (2.9 in .venv, 2.8 in .venv-2.8)
+    assert env.install_command() == env.install_command(version=HERE.name)
     assert (env.TORCH_VERSION, env.TORCH_XLA_VERSION, env.LIBTPU_VERSION) == (
-        "2.9.0", "2.9.0", "0.0.21")
+        HERE.torch, HERE.torch_xla[0], HERE.libtpu)
 
 
 # ------------------------------------------------------------ verifying, and setup_notebook
@@ -387,13 +395,14 @@ def test_verify_names_a_broken_companion(tmp_path):
     vision, audio = problems
     assert vision.startswith("torchvision: torchvision.ops.nms on 2 boxes failed: RuntimeError: "
                              "operator torchvision::nms does not exist; fix: ")
-    assert "torchvision==0.24.0+cpu" in vision and "pip uninstall -y torchvision" in vision
+    assert f"torchvision=={HERE.torchvision}+cpu" in vision
+    assert "pip uninstall -y torchvision" in vision
     assert audio.startswith("torchaudio: crashed the process (exit 134)")
     assert env.verify_environment() == []  # the real venv: torch and torch_xla both work
 
 
 def test_setup_notebook_reports_a_failed_pip_and_never_says_fine(tmp_path):
-    site = fake_dists(tmp_path / "site", {"torch_xla": "2.8.0"})  # beside the real torch 2.9
+    site = fake_dists(tmp_path / "site", {"torch_xla": OTHER.torch_xla[0]})  # beside real torch
     proc = run_python(
         """
         from tpu_helpers.env import EnvironmentProblem, setup_notebook
@@ -406,16 +415,17 @@ def test_setup_notebook_reports_a_failed_pip_and_never_says_fine(tmp_path):
              "PIP_FIND_LINKS": "", "PYTHONNOUSERSITE": "1"},
     )
     out = proc.stdout
-    before = out.index("On Colab: torch 2.9.0 does not match torch_xla 2.8.0")
+    before = out.index(f"On Colab: torch {HERE.torch} does not match torch_xla "
+                       f"{OTHER.torch_xla[0]}")
     problem = out.index("PROBLEM: pip failed")
     assert before < problem, out  # the plan is said before anything changes
-    assert "torch_xla==2.9" in out[problem:]  # pip's own error tail
-    assert "run `pip install torch_xla==2.9.0`" in out[problem:]
+    assert f"torch_xla=={HERE.name}" in out[problem:]  # pip's own error tail
+    assert f"run `pip install torch_xla=={HERE.torch_xla[0]}`" in out[problem:]
     assert "no TPU attached" not in out and "Changed:" not in out  # no all-fine summary
 
 
 def test_setup_notebook_asks_for_a_restart_when_torch_is_imported(tmp_path):
-    site = fake_dists(tmp_path / "site", {"torch_xla": "2.8.0"})
+    site = fake_dists(tmp_path / "site", {"torch_xla": OTHER.torch_xla[0]})
     proc = run_python(
         """
         import torch
@@ -475,4 +485,5 @@ def test_setup_notebook_locally_installs_nothing():
 
 def test_report_runs_as_a_command():
     proc = run_python("import runpy; runpy.run_module('tpu_helpers.env', run_name='__main__')")
-    assert "torch_xla  2.9.0" in proc.stdout and "versions: OK" in proc.stdout
+    assert f"torch_xla  {env.TORCH_XLA_VERSION}" in proc.stdout
+    assert "versions: OK" in proc.stdout

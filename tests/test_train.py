@@ -196,6 +196,8 @@ def test_spmd_batch_must_split_over_the_devices():
 
 
 def test_compile_cache_dir_per_platform(tmp_path):
+    from tpu_helpers.env import TORCH_XLA_VERSION as XLA  # the cache is per torch_xla release
+
     drive = tmp_path / "MyDrive"
     kaggle = tmp_path / "working"
     cpu = Runtime(platform="colab")
@@ -204,16 +206,16 @@ def test_compile_cache_dir_per_platform(tmp_path):
     assert "drive.mount" in loc.note
     drive.mkdir()
     loc = compile_cache_dir(cpu, environ={}, colab_drive=drive)
-    assert loc.persistent and loc.path == drive / "tpu-notebooks/xla-cache/torch_xla-2.9.0-cpu"
+    assert loc.persistent and loc.path == drive / f"tpu-notebooks/xla-cache/torch_xla-{XLA}-cpu"
     tpu = Runtime(platform="kaggle", tpu_generation="v5e", chips=8,
                   accelerator_type="v5litepod-8", layout=layout_for("v5e", 8))
     loc = compile_cache_dir(tpu, environ={}, kaggle_working=kaggle)
-    assert loc.path == kaggle / "xla-cache/torch_xla-2.9.0-v5litepod-8" and loc.persistent
+    assert loc.path == kaggle / f"xla-cache/torch_xla-{XLA}-v5litepod-8" and loc.persistent
     loc = compile_cache_dir(Runtime(platform="tpu-vm", tpu_generation="v4", chips=4),
                             environ={}, home=tmp_path)
-    assert loc.path == tmp_path / ".cache/tpu-notebooks/xla-cache/torch_xla-2.9.0-v4"
+    assert loc.path == tmp_path / f".cache/tpu-notebooks/xla-cache/torch_xla-{XLA}-v4"
     loc = compile_cache_dir(Runtime(platform="local"), environ={"XDG_CACHE_HOME": "/xdg"})
-    assert loc.path == Path("/xdg/tpu-notebooks/xla-cache/torch_xla-2.9.0-cpu")
+    assert loc.path == Path(f"/xdg/tpu-notebooks/xla-cache/torch_xla-{XLA}-cpu")
     loc = compile_cache_dir(tpu, environ={"TPU_NB_COMPILE_CACHE": str(tmp_path / "mine")})
     assert loc.path == tmp_path / "mine"
 

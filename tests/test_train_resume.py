@@ -7,6 +7,7 @@ tests/test_train.py."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,14 +40,35 @@ def history(out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_max_steps_stop_then_resume_reports_the_epoch_as_an_uninterrupted_run(tmp_path):
+def test_resume_refuses_other_settings_then_matches_an_uninterrupted_run(tmp_path):
     # 1,437 images / batch 128 = 11 steps an epoch; stop at 7 (between log points 4 and 8)
-    whole, split = tmp_path / "whole", tmp_path / "split"
+    whole, split, other = tmp_path / "whole", tmp_path / "split", tmp_path / "other"
     train(whole, "--batch-size", "128", "--epochs", "2")
     train(split, "--batch-size", "128", "--epochs", "2", "--max-steps", "7")
+    ckpt = "step-00000007.pt"
     assert CheckpointDir(split / "checkpoints").steps() == [7]
+    shutil.copytree(split, other)
+    stopped = history(split)
+    for args, expected in (
+        (["--batch-size", "64"], ["batch_size=128 in the checkpoint, 64 now"]),
+        (["--batch-size", "128", "--seed", "1"], ["seed=0 in the checkpoint, 1 now"]),
+        (["--batch-size", "128", "--spmd", "--cpu-devices", "2"],
+         ["mode='launch' in the checkpoint, 'spmd' now",
+          "devices=1 in the checkpoint, 2 now"]),
+    ):
+        proc = train(split, "--epochs", "2", *args, check=False)
+        assert proc.returncode != 0
+        err = " ".join(proc.stderr.split())
+        assert f"{ckpt}: written with other run settings" in err, err[-2000:]
+        for words in expected:
+            assert words in err, (words, err[-2000:])
+        assert "--resume-new-settings" in err
+        assert CheckpointDir(split / "checkpoints").steps() == [7]  # nothing was changed
+        assert history(split) == stopped
+
+    # the same settings: the interrupted epoch is reported as the uninterrupted run does
     resumed = train(split, "--batch-size", "128", "--epochs", "2")
-    assert "resumed from step-00000007.pt" in resumed.stdout
+    assert f"resumed from {ckpt}" in resumed.stdout
     a, b = history(whole), history(split)
     assert metrics(b) == metrics(a)  # the resumed epoch counts all 11 steps, not 4
     assert b["log"] == a["log"]  # the same log steps and windows, 4 8 | 15 19
@@ -55,41 +77,19 @@ def test_max_steps_stop_then_resume_reports_the_epoch_as_an_uninterrupted_run(tm
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
     assert [r["from_step"] for r in b["runs"]] == [0, 7]
 
-
-@pytest.mark.slow
-def test_other_settings_are_refused_naming_both_values_then_a_new_epoch_on_request(tmp_path):
-    out = tmp_path / "run"
-    train(out, "--batch-size", "128", "--epochs", "3", "--max-steps", "6")
-    ckpt = "step-00000006.pt"
-    stopped = history(out)
-    for args, expected in (
-        (["--batch-size", "64"], ["batch_size=128 in the checkpoint, 64 now"]),
-        (["--batch-size", "128", "--seed", "1"], ["seed=0 in the checkpoint, 1 now"]),
-        (["--batch-size", "128", "--spmd", "--cpu-devices", "2"],
-         ["mode='launch' in the checkpoint, 'spmd' now",
-          "devices=1 in the checkpoint, 2 now"]),
-    ):
-        proc = train(out, "--epochs", "3", *args, check=False)
-        assert proc.returncode != 0
-        err = " ".join(proc.stderr.split())
-        assert f"{ckpt}: written with other run settings" in err, err[-2000:]
-        for words in expected:
-            assert words in err, (words, err[-2000:])
-        assert "--resume-new-settings" in err
-        assert CheckpointDir(out / "checkpoints").steps() == [6]  # nothing was changed
-        assert history(out) == stopped
-    before = load_checkpoint(out / "checkpoints" / ckpt)["model"]
-    proc = train(out, "--batch-size", "64", "--epochs", "3", "--resume-new-settings")
-    h = history(out)
+    # new settings on request: its weights and optimizer, a new epoch with batch 64
+    before = load_checkpoint(other / "checkpoints" / ckpt)["model"]
+    train(other, "--batch-size", "64", "--epochs", "2", "--resume-new-settings")
+    h = history(other)
     assert h["batch_size"] == 64 and h["config"]["batch_size"] == 64
     assert h["steps_per_epoch"] == 22  # 1,437 / 64
-    assert h["runs"][-1] == {"from_step": 6, "checkpoint": ckpt, "new_settings": True,
+    assert h["runs"][-1] == {"from_step": 7, "checkpoint": ckpt, "new_settings": True,
                              "settings": {**h["runs"][0]["settings"], "batch_size": 64,
                                           "steps_per_epoch": 22}}
-    # the stopped epoch 1 is not finished: training went on with epochs 2 and 3
-    assert [row["epoch"] for row in h["epochs"]] == [2, 3]
-    assert h["total_steps"] == 6 + 2 * 22
-    after = load_checkpoint(out / "final.pt")["model"]
+    # the stopped epoch 1 is not finished: training went on with epoch 2
+    assert [row["epoch"] for row in h["epochs"]] == [2]
+    assert h["total_steps"] == 7 + 22
+    after = load_checkpoint(other / "final.pt")["model"]
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 

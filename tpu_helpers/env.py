@@ -398,28 +398,11 @@ def _describe(torch_v: str | None, xla_v: str | None, target: MatchedSet) -> str
     return f"torch {torch_v} does not match torch_xla {xla_v} (they must be the same release)"
 
 
-def plan_setup(installed: Mapping[str, str | None], platform: str, has_tpu: bool,
-               torch_imported: bool) -> SetupPlan:
-    """Decide what the setup cell installs; pure (reads nothing, changes nothing).
-
-    ``installed`` maps distribution names (any spelling: ``torch_xla`` or ``torch-xla``) to
-    installed versions (None or absent: not installed; ``"?"``: installed, version unknown).
-    ``platform`` is colab, kaggle, tpu-vm or local: only Colab and Kaggle get installs; elsewhere
-    the plan only lists the problems with their fix.
-
-    Rules: a supported matched pair (with, on a TPU, a libtpu that fits it) installs nothing
-    heavy, only missing notebook packages. Otherwise it installs a matched CPU-build set of the
-    installed torch's line (2.8 or 2.9; else 2.9): ``torch==X+cpu`` from PyTorch's CPU index (never
-    a CUDA build), torchvision/torchaudio at their matching versions only if already installed,
-    torch_xla (``torch_xla[tpu]`` when the TPU's libtpu must come with it). libtpu and jax stay
-    unless the pair needs another libtpu. If torch is imported in the kernel and torch, torch_xla
-    or a companion must change, nothing is installed and the plan asks for a restart.
-    """
-    inst = {_norm(k): v for k, v in installed.items() if v}
-    torch_v, xla_v, lib_v = inst.get("torch"), inst.get("torch-xla"), inst.get("libtpu")
-    pair = matched_set(torch_v, xla_v)
-    target = pair or target_set(torch_v)
-    where = _PLATFORM_NAMES.get(platform, platform)
+def _decide(inst: Mapping[str, str], torch_v: str | None, xla_v: str | None,
+            lib_v: str | None, pair: MatchedSet | None, target: MatchedSet, has_tpu: bool
+            ) -> tuple[dict[str, tuple[str | None, str]], list[str], list[str], list[str]]:
+    """:func:`plan_setup`'s decisions: ``(changes, reasons, kept, notes)``; ``changes`` maps a
+    distribution to ``(installed version, requirement to install)``."""
     changes: dict[str, tuple[str | None, str]] = {}
     reasons: list[str] = []
     kept: list[str] = []
@@ -460,6 +443,33 @@ def plan_setup(installed: Mapping[str, str | None], platform: str, has_tpu: bool
         if dist in inst:
             warn = " (the notebooks do not use it; it may warn about the new libtpu)"
             kept.append(f"{dist} {_shown(inst[dist])}" + (warn if "libtpu" in changes else ""))
+    return changes, reasons, kept, notes
+
+
+def plan_setup(installed: Mapping[str, str | None], platform: str, has_tpu: bool,
+               torch_imported: bool) -> SetupPlan:
+    """Decide what the setup cell installs; pure (reads nothing, changes nothing).
+
+    ``installed`` maps distribution names (any spelling: ``torch_xla`` or ``torch-xla``) to
+    installed versions (None or absent: not installed; ``"?"``: installed, version unknown).
+    ``platform`` is colab, kaggle, tpu-vm or local: only Colab and Kaggle get installs; elsewhere
+    the plan only lists the problems with their fix.
+
+    Rules: a supported matched pair (with, on a TPU, a libtpu that fits it) installs nothing
+    heavy, only missing notebook packages. Otherwise it installs a matched CPU-build set of the
+    installed torch's line (2.8 or 2.9; else 2.9): ``torch==X+cpu`` from PyTorch's CPU index (never
+    a CUDA build), torchvision/torchaudio at their matching versions only if already installed,
+    torch_xla (``torch_xla[tpu]`` when the TPU's libtpu must come with it). libtpu and jax stay
+    unless the pair needs another libtpu. If torch is imported in the kernel and torch, torch_xla
+    or a companion must change, nothing is installed and the plan asks for a restart.
+    """
+    inst = {_norm(k): v for k, v in installed.items() if v}
+    torch_v, xla_v, lib_v = inst.get("torch"), inst.get("torch-xla"), inst.get("libtpu")
+    pair = matched_set(torch_v, xla_v)
+    target = pair or target_set(torch_v)
+    where = _PLATFORM_NAMES.get(platform, platform)
+    changes, reasons, kept, notes = _decide(inst, torch_v, xla_v, lib_v, pair, target,
+                                            has_tpu)
     heavy = [req for _, req in changes.values()]
     pip_args = ["--extra-index-url", CPU_INDEX] if any("+cpu" in r for r in heavy) else []
     installs_here = platform in ("colab", "kaggle")
