@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed
 UV := .tools/bin/uv
 UV_VERSION := 0.13.9
 export UV_PYTHON_DOWNLOADS := never
-# per-cell timeout (nbmake); each notebook is budgeted 90 s in total (make run-notebooks checks)
+# per-cell timeout (nbmake); each notebook is budgeted 90 s in total (scripts/notebook_budget.py fails it)
 NB_TIMEOUT ?= 120
 # pytest workers (pytest-xdist, one test file per worker at a time): most tests wait on
 # subprocesses and imports, so 2 workers on 2 cores halve the wall time of `make test`
@@ -34,7 +34,7 @@ help:
 	@echo "make wheel          build dist/tpu_helpers-*.whl (the toolkit and the course data)"
 	@echo "make tpu-check      on a TPU VM/Colab/Kaggle: run every notebook at full settings, record results"
 	@echo "make strip          strip outputs/execution counts from notebooks/*.ipynb"
-	@echo "make template       rewrite badges, metadata and setup cells from tpu_helpers/notebook_template.py"
+	@echo "make template       rewrite badges, metadata and setup cells from scripts/notebook_template.py"
 	@echo "Any target with XLA=2.8 uses the torch_xla 2.8 environment (.venv-2.8)."
 
 $(UV):
@@ -56,7 +56,7 @@ lab: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check tpu_helpers tests notebooks benchmarks scripts
-	$(BIN)/python -m tpu_helpers.notebook_template --check notebooks
+	$(BIN)/python scripts/notebook_template.py --check notebooks
 
 # Lint once, then one pytest run (unit tests and every notebook) per torch_xla line.
 test: lint $(addprefix test-,$(XLA_LINES))
@@ -82,10 +82,10 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
 
 strip: $(STAMP)
-	$(BIN)/python -m tpu_helpers.notebook_template --strip notebooks
+	$(BIN)/python scripts/notebook_template.py --strip notebooks
 
 template: $(STAMP)
-	$(BIN)/python -m tpu_helpers.notebook_template --write notebooks
+	$(BIN)/python scripts/notebook_template.py --write notebooks
 
 wheel: $(STAMP)
 	rm -rf dist build

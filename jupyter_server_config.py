@@ -5,10 +5,12 @@ and execution counts, exactly as ``make strip`` would, so ``make test`` never fi
 outputs. Outputs stay visible in the open tab until it is reloaded. Other folders are untouched.
 """
 
+import sys
 import warnings
 from pathlib import Path
 
-from tpu_helpers.notebook_template import strip_on_save
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from notebook_template import strip_on_save  # noqa: E402 (repository tooling in scripts/)
 
 c = get_config()  # noqa: F821 (provided by Jupyter when it loads this file)
 c.ContentsManager.pre_save_hook = strip_on_save(Path(__file__).resolve().parent / "notebooks")

@@ -19,6 +19,7 @@ os.environ.setdefault("CPU_NUM_DEVICES", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))  # repository tooling (notebook_template, tpu_check)
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300,

@@ -12,9 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import notebook_template as tpl  # scripts/ (repository tooling), on the path via conftest
 import pytest
-
-from tpu_helpers import notebook_template as tpl
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = tpl.notebooks(REPO / "notebooks")
@@ -308,6 +307,8 @@ def test_jupyter_server_with_the_repo_config_saves_without_outputs(tmp_path):
     (root / "notebooks").mkdir(parents=True)
     (root / "scratch").mkdir()
     shutil.copy(REPO / "jupyter_server_config.py", root)  # it strips under its own notebooks/
+    (root / "scripts").mkdir()  # with the hook it imports from the repository's scripts/
+    shutil.copy(REPO / "scripts" / "notebook_template.py", root / "scripts")
     port, token = _free_port(), "test-token"
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyter_server", f"--config={root / 'jupyter_server_config.py'}",

@@ -7,7 +7,6 @@ XLA device, so it is safe before ``torch_xla.launch``. Modules, lowest layer fir
 - ``env``: runtime detection (Colab/Kaggle/TPU VM/local), local XLA:CPU emulation,
   version checks, the notebooks' setup function (notebook 00)
 - ``metrics``: compile/execute/transfer/fallback counts, limits and causes (00, 05)
-- ``notebook_template``: the notebook template, badges and checker (all notebooks)
 - ``host_memory``: per-process RSS/USS/PSS of forked workers (01)
 - ``data``: checked datasets, fixed-shape train/eval loaders with index + mask (01, 02)
 - ``device_loader``: MpDeviceLoader that surfaces loader errors; feed measurements (02)

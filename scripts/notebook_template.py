@@ -8,10 +8,10 @@ deliberately broken copies.
 
 Command line::
 
-    python -m tpu_helpers.notebook_template --check notebooks   # exit 1 on any problem
-    python -m tpu_helpers.notebook_template --write notebooks   # re-render badges + setup
-    python -m tpu_helpers.notebook_template --write notebooks/03_multicore_training.ipynb
-    python -m tpu_helpers.notebook_template --strip notebooks   # drop outputs and counts
+    python scripts/notebook_template.py --check notebooks   # exit 1 on any problem
+    python scripts/notebook_template.py --write notebooks   # re-render badges + setup
+    python scripts/notebook_template.py --write notebooks/03_multicore_training.ipynb
+    python scripts/notebook_template.py --strip notebooks   # drop outputs and counts
 """
 
 from __future__ import annotations
