@@ -7,9 +7,11 @@ device count is fixed at the first XLA use in a process); see ``run_python``.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,27 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 30
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+def kill_mid_write(folder: Path, code: str, *, ready: str, min_bytes: int,
+                   marker: str = ".tmp-") -> tuple[subprocess.Popen[str], list[Path]]:
+    """Run ``code`` (argv[1] = ``folder``); once it prints ``ready`` and a temp file
+    (``marker`` in its name) in ``folder`` has ``min_bytes``, SIGKILL it. Returns the
+    process and the temp files seen at the kill (empty: the kill did not land mid-write)."""
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    temp: list[Path] = []
+    try:
+        assert proc.stdout.readline().strip() == ready, proc.stderr.read()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            temp = [p for p in folder.iterdir() if marker in p.name]
+            if temp and temp[0].stat().st_size > min_bytes:
+                break
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, temp

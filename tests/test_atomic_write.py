@@ -6,13 +6,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pandas as pd
 import pytest
-from conftest import REPO
+from conftest import kill_mid_write
 
 from tpu_helpers.checkpoint import TEMP_MARKER, atomic_write
 
@@ -38,22 +35,8 @@ save_history(path, {"version": 2, "log": [{"step": i, "loss": 0.5} for i in rang
 
 
 def _kill_mid_write(tmp_path, code: str) -> str:
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    temp: list = []
-    try:
-        assert proc.stdout.readline().strip() == "v1", proc.stderr.read()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            temp = [p for p in tmp_path.iterdir() if TEMP_MARKER in p.name]
-            if temp and temp[0].stat().st_size > 100_000:  # version 2 is being written
-                break
-            time.sleep(0.002)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, temp = kill_mid_write(tmp_path, code, ready="v1", min_bytes=100_000,
+                                marker=TEMP_MARKER)  # version 2 is being written
     assert proc.returncode == -signal.SIGKILL
     assert temp, "the kill did not land mid-write"
     return temp[0].name

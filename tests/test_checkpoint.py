@@ -6,14 +6,11 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_python
+from conftest import kill_mid_write, run_python
 
 from tpu_helpers.checkpoint import (
     TEMP_MARKER,
@@ -244,22 +241,9 @@ print("saved v2", flush=True)
 
 
 def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", KILL_DURING_SAVE, str(tmp_path)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "saved v1"
-        deadline = time.monotonic() + 60
-        temp = []
-        while time.monotonic() < deadline and proc.poll() is None:
-            temp = [p for p in tmp_path.iterdir() if TEMP_MARKER in p.name]
-            if temp and temp[0].stat().st_size > 1_000_000:  # best.pt is being overwritten
-                break
-            time.sleep(0.002)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # best.pt is being overwritten with ~400 MB when the kill lands
+    proc, temp = kill_mid_write(tmp_path, KILL_DURING_SAVE, ready="saved v1",
+                                min_bytes=1_000_000, marker=TEMP_MARKER)
     assert proc.returncode == -signal.SIGKILL
     assert temp and temp[0].name.startswith("best.pt"), "the kill did not land mid-save"
     ckpts = CheckpointDir(tmp_path)
