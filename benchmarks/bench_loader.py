@@ -3,7 +3,7 @@
     python -m benchmarks.bench_loader            # full run (under a minute on 2 idle cores)
     python -m benchmarks.bench_loader --quick    # CI-sized
 
-One process, one XLA:CPU device, the digits CNN (tpu_helpers.models.DigitsCNN) trained
+One process, one XLA:CPU device, the digits CNN (course.models.DigitsCNN) trained
 with plain SGD, batch 64, on the shipped digits held in memory. Prints steps/s (best of
 several rounds, with the slowest round), compiles and host-to-device transfers of
 
@@ -45,9 +45,10 @@ def run(quick: bool = False, decode_row: bool = True) -> list[dict]:
     import torch_xla
     from torch.utils.data import DataLoader, TensorDataset
 
-    from tpu_helpers.data import ArrayDataset, ImageFolderDataset, data_dir, load_digits
-    from tpu_helpers.device_loader import compare_loops, device_loader_loop, sgd_step, time_loop
-    from tpu_helpers.models import DigitsCNN
+    from course.datasets import ImageFolderDataset, data_dir, load_digits
+    from course.loader_experiments import compare_loops, device_loader_loop, sgd_step, time_loop
+    from course.models import DigitsCNN
+    from tpu_helpers.data import ArrayDataset
 
     steps, rounds = (10, 2) if quick else (20, 10)
     device = torch_xla.device()

@@ -39,7 +39,8 @@ GOAL_RATIO = 1.15
 
 
 def _dataset(rows: int):
-    from tpu_helpers.data import ArrayDataset, load_digits
+    from course.datasets import load_digits
+    from tpu_helpers.data import ArrayDataset
 
     x, y = load_digits()
     reps = -(-rows // len(x))
@@ -74,8 +75,8 @@ def _timed(fn) -> tuple[float, float]:
 def speed(rows: int, batch_size: int = 64, repeats: int = 3) -> dict:
     import torch_xla
 
+    from course.models import DigitsCNN
     from tpu_helpers.metrics import snapshot
-    from tpu_helpers.models import DigitsCNN
     from tpu_helpers.predict import predict
 
     device = torch_xla.device()

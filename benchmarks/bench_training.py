@@ -3,7 +3,7 @@
     python -m benchmarks.bench_training            # full run (a few minutes)
     python -m benchmarks.bench_training --quick    # CI-sized
 
-Every row trains ``tpu_helpers.models.DigitsCNN`` on the shipped digits (train split,
+Every row trains ``course.models.DigitsCNN`` on the shipped digits (train split,
 1,437 images) with batch 64 for the same number of epochs:
 
   (a) seed 002's loop as written: ``ParallelLoader``, Adam, ``loss.item()`` every 10 steps,
@@ -156,7 +156,7 @@ def seed_article_row(epochs: int, images, labels) -> None:
     import torch_xla.runtime as xr
     from torch.utils.data import DataLoader, Dataset
 
-    from tpu_helpers.models import DigitsCNN
+    from course.models import DigitsCNN
 
     class CustomDataset(Dataset):
         def __init__(self, data, targets):
@@ -221,8 +221,8 @@ def upstream_row(epochs: int, images, labels) -> None:
     import torch_xla.runtime as xr
     import torch_xla.test.test_utils as test_utils
 
+    from course.models import DigitsCNN
     from tpu_helpers.data import ArrayDataset
-    from tpu_helpers.models import DigitsCNN
 
     flags = SimpleNamespace(batch_size=BATCH_SIZE, num_epochs=epochs, num_workers=0,
                             drop_last=False, lr=0.01, momentum=0.5, log_steps=LOG_EVERY,
@@ -286,8 +286,9 @@ def lightning_row(epochs: int, images, labels) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
+    from course.lightning_demo import DigitsLightningModule
     from tpu_helpers.data import ArrayDataset
-    from tpu_helpers.lightning import DigitsLightningModule, trainer_kwargs
+    from tpu_helpers.lightning import trainer_kwargs
 
     class Window(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -326,8 +327,8 @@ def ours_row(epochs: int, images, labels, sgd: bool = False) -> None:
     import torch_xla.distributed.parallel_loader as pl
     import torch_xla.runtime as xr
 
+    from course.models import DigitsCNN
     from tpu_helpers.data import ArrayDataset, make_train_loader
-    from tpu_helpers.models import DigitsCNN
     from tpu_helpers.train import TrainConfig, train_epoch
 
     config = TrainConfig(batch_size=BATCH_SIZE, log_every=LOG_EVERY)
@@ -362,8 +363,8 @@ def ceiling_row(epochs: int, images, labels, sgd: bool = False) -> None:
     import torch
     import torch_xla
 
+    from course.models import DigitsCNN
     from tpu_helpers.data import ArrayDataset, make_train_loader
-    from tpu_helpers.models import DigitsCNN
     from tpu_helpers.train import TrainConfig, train_step
 
     config = TrainConfig(batch_size=BATCH_SIZE)
@@ -400,7 +401,7 @@ class _RowProcess:
         from tpu_helpers.env import configure_emulation
 
         configure_emulation(num_devices=1)
-        from tpu_helpers.data import load_digits
+        from course.datasets import load_digits
 
         self.key, self.epochs = key, epochs
         self.fn = ROW_FUNCTIONS[key]

@@ -135,7 +135,7 @@ def test_xla_training_state_resumes_bit_identically(tmp_path):
     objects continue exactly like the original (the in-process version of the kill test)."""
     import torch_xla
 
-    from tpu_helpers.models import DigitsCNN
+    from course.models import DigitsCNN
 
     device = torch_xla.device()
     g = torch.Generator().manual_seed(0)

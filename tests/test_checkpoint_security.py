@@ -118,8 +118,10 @@ def test_lightning_trainer_fit_from_the_file_is_refused(tmp_path, marker):
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from tpu_helpers.data import ArrayDataset, load_digits
-    from tpu_helpers.lightning import DigitsLightningModule, trainer_kwargs
+    from course.datasets import load_digits
+    from course.lightning_demo import DigitsLightningModule
+    from tpu_helpers.data import ArrayDataset
+    from tpu_helpers.lightning import trainer_kwargs
 
     path = evil_torch_file(tmp_path / "last.ckpt", marker)
     trainer = L.Trainer(**trainer_kwargs(), max_epochs=1, limit_train_batches=2,

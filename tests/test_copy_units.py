@@ -1,9 +1,11 @@
 """A user copies a toolkit unit into their own project: it must work there alone.
 
-Each unit is copied into a temporary folder outside the repository and imported from there
-with ``tpu_helpers`` made unimportable (so a hidden import of a sibling fails), then its
-entry point runs on XLA:CPU in that fresh process. Units join this list as the redesign
-(issue 14) makes them stand alone; today: ``checkpoint.py``.
+Each script in ``tests/copy_units/`` names on its first line the toolkit files a user copies
+(``# copies: train.py checkpoint.py``: a unit is one file or a declared pair). The test copies
+exactly those files into a temporary folder outside the repository and runs the script there
+in a fresh Python with the repository off ``sys.path`` and ``tpu_helpers`` and ``course`` made
+unimportable (so a hidden import of anything else fails), on XLA:CPU. The script prints
+``ok`` last. Every module in ``tpu_helpers/`` must be copied by at least one script.
 """
 
 from __future__ import annotations
@@ -11,45 +13,44 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
 
+UNITS = Path(__file__).with_name("copy_units")
 BLOCK_REPO = """
 import sys
-sys.modules["tpu_helpers"] = None  # the repository's package is out of reach
+sys.modules["tpu_helpers"] = None  # the repository's packages are out of reach
+sys.modules["course"] = None
 sys.path = [p for p in sys.path if p.rstrip("/") != {repo!r}]  # (its venv may live inside)
 """
 
-UNITS = {
-    "checkpoint.py": """
-import torch, torch_xla
-from checkpoint import (CheckpointDir, capture_training_state, load_checkpoint,
-                        restore_training_state, UnsafeCheckpointError)
-device = torch_xla.device()
-torch.manual_seed(0)
-model = torch.nn.Linear(4, 2).to(device)
-opt = torch.optim.AdamW(model.parameters())
-model(torch.ones(3, 4, device=device)).sum().backward()
-opt.step()
-ckpts = CheckpointDir("run/checkpoints")
-ckpts.save(capture_training_state(model, opt, epoch=1, batch_in_epoch=0, step=7), step=7)
-state, path = ckpts.load_latest()
-fresh = torch.nn.Linear(4, 2).to(device)
-where = restore_training_state(state, fresh, torch.optim.AdamW(fresh.parameters()))
-assert where.step == 7 and path.name == "step-00000007.pt"
-assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.parameters(), fresh.parameters()))
-print("ok")
-""",
-}
+
+def copied_files(script: Path) -> list[str]:
+    first = script.read_text().splitlines()[0]
+    assert first.startswith("# copies: "), f"{script.name}: first line must be '# copies: ...'"
+    return first.removeprefix("# copies: ").split()
 
 
-@pytest.mark.parametrize("unit", sorted(UNITS))
-def test_unit_works_copied_alone(unit, tmp_path):
+SCRIPTS = sorted(UNITS.glob("*.py"))
+
+
+def test_every_toolkit_module_is_a_tested_copy_unit():
+    covered = {f for s in SCRIPTS for f in copied_files(s)}
+    modules = {p.name for p in (REPO / "tpu_helpers").glob("*.py")} - {"__init__.py"}
+    for script in SCRIPTS:
+        assert len(copied_files(script)) <= 2, f"{script.name}: a unit is one file or a pair"
+    assert modules <= covered, f"no copy-unit script copies {sorted(modules - covered)}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
+def test_unit_works_copied_alone(script, tmp_path):
     project = tmp_path / "your_project"
     project.mkdir()
-    shutil.copy(REPO / "tpu_helpers" / unit, project / unit)
-    code = BLOCK_REPO.format(repo=str(REPO)) + UNITS[unit]
+    for name in copied_files(script):
+        shutil.copy(REPO / "tpu_helpers" / name, project / name)
+    code = BLOCK_REPO.format(repo=str(REPO)) + script.read_text()
     proc = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True,
                           text=True, timeout=300,
                           env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",

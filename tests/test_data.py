@@ -9,17 +9,18 @@ import numpy as np
 import pytest
 import torch
 
+from course import datasets as DS
 from tpu_helpers import data as D
 
 
 def test_data_dir_is_repo_data_and_env_override(monkeypatch, tmp_path: Path, repo: Path):
     monkeypatch.delenv("TPU_NB_DATA", raising=False)
-    assert D.data_dir() == repo / "data"
+    assert DS.data_dir() == repo / "data"
     monkeypatch.setenv("TPU_NB_DATA", str(tmp_path))
-    assert D.data_dir() == tmp_path
+    assert DS.data_dir() == tmp_path
     monkeypatch.setenv("TPU_NB_DATA", str(tmp_path / "nope"))
     with pytest.raises(D.DataError, match="nope"):
-        D.data_dir()
+        DS.data_dir()
 
 
 def test_shipped_files_and_readme(repo: Path):
@@ -31,12 +32,12 @@ def test_shipped_files_and_readme(repo: Path):
 
 
 def test_load_digits_contract():
-    x, y = D.load_digits()
+    x, y = DS.load_digits()
     assert x.shape == (1797, 1, 8, 8) and x.dtype == np.float32
     assert y.shape == (1797,) and y.dtype == np.int64
     assert set(np.unique(y)) == set(range(10))
-    xtr, ytr = D.load_digits("train")
-    xte, yte = D.load_digits("test")
+    xtr, ytr = DS.load_digits("train")
+    xte, yte = DS.load_digits("test")
     assert len(xtr) == 1437 and len(xte) == 360
     # normalised with the training split's statistics
     assert abs(float(xtr.mean())) < 0.01 and abs(float(xtr.std()) - 1) < 0.01
@@ -44,14 +45,14 @@ def test_load_digits_contract():
     assert np.allclose(np.bincount(ytr) / len(ytr), np.bincount(yte) / len(yte), atol=0.01)
     # each call returns a fresh, writable array (the cache is not exposed)
     x[0] = 123.0
-    assert D.load_digits()[0][0, 0, 0, 0] != 123.0
+    assert DS.load_digits()[0][0, 0, 0, 0] != 123.0
     with pytest.raises(D.DataError, match="split"):
-        D.load_digits("validation")
+        DS.load_digits("validation")
 
 
 def test_load_digits_matches_image_folder_dataset(repo: Path):
-    ds = D.ImageFolderDataset(repo / "data" / "digits", "test")
-    x, y = D.load_digits("test")
+    ds = DS.ImageFolderDataset(repo / "data" / "digits", "test")
+    x, y = DS.load_digits("test")
     assert len(ds) == 360
     xi, yi = ds[17]
     assert xi.shape == (1, 8, 8) and xi.dtype == torch.float32 and yi.dtype == torch.int64
@@ -59,10 +60,10 @@ def test_load_digits_matches_image_folder_dataset(repo: Path):
 
 
 def test_breast_cancer_csv():
-    f, y = D.load_tabular_csv(D.data_dir() / "breast_cancer.csv", "target", num_classes=2)
+    f, y = DS.load_tabular_csv(DS.data_dir() / "breast_cancer.csv", "target", num_classes=2)
     assert f.shape == (569, 30) and f.dtype == np.float32 and y.dtype == np.int64
-    ftr, _ = D.load_tabular_csv(D.data_dir() / "breast_cancer.csv", "target", split="train")
-    fte, _ = D.load_tabular_csv(D.data_dir() / "breast_cancer.csv", "target", split="test")
+    ftr, _ = DS.load_tabular_csv(DS.data_dir() / "breast_cancer.csv", "target", split="train")
+    fte, _ = DS.load_tabular_csv(DS.data_dir() / "breast_cancer.csv", "target", split="test")
     assert len(ftr) + len(fte) == 569 and 100 <= len(fte) <= 120
 
 
@@ -75,7 +76,7 @@ def test_array_dataset_items_and_dtypes():
 
 
 def test_train_loader_fixed_shapes_sharding_and_set_epoch():
-    x, y = D.load_digits("train")
+    x, y = DS.load_digits("train")
     ds = D.ArrayDataset(x, y, 10)
     seen = []
     for rank in range(4):
@@ -116,6 +117,6 @@ def test_eval_shard_indices_small_example():
 def test_importing_data_does_not_touch_xla():
     import subprocess
 
-    code = ("import sys, tpu_helpers.data as d; d.load_digits('test'); "
+    code = ("import sys, tpu_helpers.data, course.datasets as d; d.load_digits('test'); "
             "assert 'torch_xla' not in sys.modules, 'torch_xla imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)

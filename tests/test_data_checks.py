@@ -22,6 +22,7 @@ from conftest import run_python
 from PIL import Image, ImageFile
 from torch.utils.data import Dataset, default_collate
 
+from course import datasets as DS
 from tpu_helpers import data as D
 
 HEADER = "file,label,split"
@@ -29,7 +30,7 @@ HEADER = "file,label,split"
 
 def _folder(tmp_path: Path, rows: list[str], text: str | None = None, n: int = 6) -> Path:
     """Real digit PNGs ``images/0000.png``.. and a labels.csv of ``rows`` (or ``text``)."""
-    src = D.data_dir() / "digits"
+    src = DS.data_dir() / "digits"
     dst = tmp_path / "digits"
     (dst / "images").mkdir(parents=True)
     for i in range(n):
@@ -53,7 +54,7 @@ def _rows(n: int = 6) -> list[str]:
     "\n".join([HEADER, *_rows()[:3], "", *_rows()[3:]]) + "\n",  # blank line in the middle
 ], ids=["trailing-blank", "crlf", "blank-in-middle"])
 def test_blank_lines_in_labels_csv_are_accepted(tmp_path, text):
-    ds = D.ImageFolderDataset(_folder(tmp_path, [], text=text))
+    ds = DS.ImageFolderDataset(_folder(tmp_path, [], text=text))
     assert len(ds) == 6 and ds.labels.tolist() == [0, 1, 2, 3, 4, 5]
 
 
@@ -65,7 +66,7 @@ def test_blank_lines_in_labels_csv_are_accepted(tmp_path, text):
 def test_blank_lines_in_tabular_csv_are_accepted(tmp_path, text):
     path = tmp_path / "t.csv"
     path.write_bytes(text.encode())
-    x, y = D.load_tabular_csv(path)
+    x, y = DS.load_tabular_csv(path)
     assert x.tolist() == [[1, 2], [3, 4]] and y.tolist() == [0, 1]
 
 
@@ -74,37 +75,37 @@ def test_blank_lines_in_the_middle_keep_line_numbers_right(tmp_path):
     path = tmp_path / "t.csv"
     path.write_text("a,b,target\n1,2,0\n\n\n3,4\n")  # the short row is on line 5
     with pytest.raises(D.DataError, match=r"t\.csv: line 5 has 2 fields, the header has 3"):
-        D.load_tabular_csv(path)
+        DS.load_tabular_csv(path)
     path.write_text("a,b,target\n1,2,0\n\n3,,1\n")  # the missing value is on line 4
     with pytest.raises(D.DataError, match=r"t\.csv: line 4 has a NaN.*column 'b'"):
-        D.load_tabular_csv(path)
+        DS.load_tabular_csv(path)
     path.write_text("a,b,target\n\n1,2,0\n3,4,7\n")
     with pytest.raises(D.DataError, match=r"t\.csv: line 4: label 7 is out of range 0\.\.1"):
-        D.load_tabular_csv(path, num_classes=2)
+        DS.load_tabular_csv(path, num_classes=2)
     path.write_text('name,a,target\n"two\nlines",1,0\n\nz,2,\n')  # a quoted newline
     with pytest.raises(D.DataError, match=r"t\.csv: line 5: label column 'target' must hold "
                                           r"integers, got a missing value"):
-        D.load_tabular_csv(path, feature_columns=["a"])
+        DS.load_tabular_csv(path, feature_columns=["a"])
     rows = _rows()
     rows[4] = rows[4].replace(",4,", ",14,")
     text = "\n".join([HEADER, *rows[:2], "", "", *rows[2:]]) + "\n"
     folder = _folder(tmp_path, [], text=text)
-    table = D.read_labels_csv(folder / "labels.csv")
+    table = DS.read_labels_csv(folder / "labels.csv")
     assert table["line"].tolist() == [2, 3, 6, 7, 8, 9]
     with pytest.raises(D.DataError, match=r"line 8 \(images/0004\.png\): label 14 is out"):
-        D.ImageFolderDataset(folder)
+        DS.ImageFolderDataset(folder)
 
 
 def test_integral_float_labels_are_int_labels(tmp_path):
     rows = [r.replace(f",{i},", f",{i}.0,") for i, r in enumerate(_rows())]
     folder = _folder(tmp_path, rows)
-    table = D.read_labels_csv(folder / "labels.csv", num_classes=10)
+    table = DS.read_labels_csv(folder / "labels.csv", num_classes=10)
     assert table["label"].dtype == np.int64 and table["label"].tolist() == list(range(6))
-    ds = D.ImageFolderDataset(folder)
+    ds = DS.ImageFolderDataset(folder)
     assert ds.labels.tolist() == list(range(6)) and ds[3][1].dtype == torch.int64
     path = tmp_path / "t.csv"
     path.write_text("a,target\n1,0.0\n2,1.0\n3,2.0\n")
-    x, y = D.load_tabular_csv(path, num_classes=3)
+    x, y = DS.load_tabular_csv(path, num_classes=3)
     assert y.dtype == np.int64 and y.tolist() == [0, 1, 2]
 
 
@@ -117,11 +118,11 @@ def test_non_integral_or_missing_label_names_its_line(tmp_path, value, message):
     rows[2] = f"images/0002.png,{value},train"  # line 4; every other line is valid
     folder = _folder(tmp_path, rows)
     with pytest.raises(D.DataError, match=r"labels\.csv: " + message):
-        D.read_labels_csv(folder / "labels.csv")
+        DS.read_labels_csv(folder / "labels.csv")
     path = tmp_path / "t.csv"
     path.write_text(f"a,label\n1,0.0\n2,1.0\n3,{value}\n4,2.0\n")
     with pytest.raises(D.DataError, match=r"t\.csv: " + message):
-        D.load_tabular_csv(path, label_column="label")
+        DS.load_tabular_csv(path, label_column="label")
 
 
 # --------------------------------------------------------------------------- 2. raw errors
@@ -132,7 +133,7 @@ def test_empty_file_cell_names_line(tmp_path):
     rows[3] = ",3,train"  # line 5
     folder = _folder(tmp_path, rows)
     with pytest.raises(D.DataError, match=r"labels\.csv: line 5 has no file name"):
-        D.ImageFolderDataset(folder)
+        DS.ImageFolderDataset(folder)
 
 
 def test_string_label_names_line(tmp_path):
@@ -141,11 +142,11 @@ def test_string_label_names_line(tmp_path):
     folder = _folder(tmp_path, rows)
     with pytest.raises(D.DataError, match=r"labels\.csv: line 6: label column 'label' must "
                                           r"hold integers, got 'cat'"):
-        D.ImageFolderDataset(folder)
+        DS.ImageFolderDataset(folder)
     path = tmp_path / "t.csv"
     path.write_text("a,target\n1,0\n2,dog\n")
     with pytest.raises(D.DataError, match=r"t\.csv: line 3: .* got 'dog'"):
-        D.load_tabular_csv(path)
+        DS.load_tabular_csv(path)
 
 
 def _write_bomb_png(path: Path, width: int, height: int) -> None:
@@ -189,16 +190,16 @@ def test_decompression_bomb_is_refused_naming_the_file(tmp_path, no_decoding, si
     with warnings.catch_warnings():
         warnings.simplefilter(warning_filter)
         with pytest.raises(D.DataError, match=r"bomb\.png: .*decompression bomb"):
-            D.decode_image(path, size=None, mode=None)
+            DS.decode_image(path, size=None, mode=None)
         with pytest.raises(D.DataError, match=r"bomb\.png: .*decompression bomb"):
-            D.decode_image(path)  # expected 8x8 L
+            DS.decode_image(path)  # expected 8x8 L
 
 
 def test_decompression_bomb_in_a_folder_names_the_file(tmp_path, no_decoding):
     folder = _folder(tmp_path, _rows())
     _write_bomb_png(folder / "images" / "0003.png", 20000, 20000)
     with pytest.raises(D.DataError, match=r"0003\.png: .*decompression bomb"):
-        D.ImageFolderDataset(folder)
+        DS.ImageFolderDataset(folder)
 
 
 class OddItem(Dataset):
@@ -240,7 +241,7 @@ def test_odd_item_in_train_loader_names_its_index(num_workers):
     loader.timeout = 60 if num_workers else 0
     with pytest.raises(D.DataError, match=r"dataset index 7: x has shape \[3\]"):
         list(loader)
-    x, y = D.load_digits("test")  # ArrayDataset's batched __getitems__ still works
+    x, y = DS.load_digits("test")  # ArrayDataset's batched __getitems__ still works
     ds = D.ArrayDataset(x, y)
     (xb, yb), *_ = D.make_train_loader(ds, 64, world_size=1, rank=0, num_workers=num_workers)
     idx = list(D.make_train_loader(ds, 64, world_size=1, rank=0).sampler)[:64]
@@ -306,7 +307,7 @@ def test_same_image_listed_twice_names_both_lines(tmp_path, second):
     folder = _folder(tmp_path, rows)
     with pytest.raises(D.DataError, match=r"labels\.csv: line 8 lists images/0001\.png again "
                                           r"\(first on line 3\)"):
-        D.ImageFolderDataset(folder, "train")
+        DS.ImageFolderDataset(folder, "train")
 
 
 def test_same_image_with_two_labels_is_a_conflict(tmp_path):
@@ -315,7 +316,7 @@ def test_same_image_with_two_labels_is_a_conflict(tmp_path):
     folder = _folder(tmp_path, rows)
     with pytest.raises(D.DataError, match=r"labels\.csv: conflicting labels for "
                                           r"images/0001\.png: 1 on line 3, 7 on line 6"):
-        D.read_labels_csv(folder / "labels.csv")
+        DS.read_labels_csv(folder / "labels.csv")
 
 
 def test_negative_label_without_num_classes_is_refused(tmp_path):
@@ -324,13 +325,13 @@ def test_negative_label_without_num_classes_is_refused(tmp_path):
     folder = _folder(tmp_path, rows)
     with pytest.raises(D.DataError, match=r"labels\.csv: line 3 \(images/0001\.png\): label -1 "
                                           r"is out of range >= 0"):
-        D.read_labels_csv(folder / "labels.csv")
+        DS.read_labels_csv(folder / "labels.csv")
     with pytest.raises(D.DataError, match=r"line 3 \(images/0001\.png\): label -1"):
-        D.ImageFolderDataset(folder, num_classes=None)
+        DS.ImageFolderDataset(folder, num_classes=None)
     path = tmp_path / "t.csv"
     path.write_text("a,target\n1,0\n2,-1\n")
     with pytest.raises(D.DataError, match=r"t\.csv: line 3: label -1 is out of range >= 0"):
-        D.load_tabular_csv(path)
+        DS.load_tabular_csv(path)
 
 
 def _pandas_csv(path: Path, **to_csv) -> None:
@@ -345,18 +346,18 @@ def test_pandas_index_column_is_refused(tmp_path):
     _pandas_csv(path)  # df.to_csv(path): an unnamed first column 0..N-1
     with pytest.raises(D.DataError, match=r"p\.csv: .*pandas index column.*index=False.*"
                                           r"feature_columns="):
-        D.load_tabular_csv(path)
+        DS.load_tabular_csv(path)
     _pandas_csv(path, index=False)
-    x, y = D.load_tabular_csv(path)
+    x, y = DS.load_tabular_csv(path)
     assert x.tolist() == [[1, 4], [2, 5], [3, 6]] and y.tolist() == [0, 1, 0]
 
 
 def test_feature_columns_choose_and_order_the_features(tmp_path):
     path = tmp_path / "p.csv"
     _pandas_csv(path)  # with the index column: not used when feature_columns is given
-    x, y = D.load_tabular_csv(path, feature_columns=["b", "a"], split="train")
+    x, y = DS.load_tabular_csv(path, feature_columns=["b", "a"], split="train")
     assert x.dtype == np.float32 and x.tolist() == [[4, 1], [6, 3]] and y.tolist() == [0, 0]
-    x, _ = D.load_tabular_csv(path, feature_columns=("a",))
+    x, _ = DS.load_tabular_csv(path, feature_columns=("a",))
     assert x.shape == (3, 1)
 
 
@@ -365,4 +366,4 @@ def test_unknown_feature_columns_list_the_available_ones(tmp_path):
     _pandas_csv(path, index=False)
     with pytest.raises(D.DataError, match=r"p\.csv: no column\(s\) \['c'\].*"
                                           r"\['a', 'b', 'target', 'split'\]"):
-        D.load_tabular_csv(path, feature_columns=["a", "c"])
+        DS.load_tabular_csv(path, feature_columns=["a", "c"])

@@ -12,14 +12,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from course import datasets as DS
+from course.loader_experiments import compare_loops, device_loader_loop, naive_loop, sgd_step
 from tpu_helpers import data as D
-from tpu_helpers.device_loader import (
-    StrictDeviceLoader,
-    compare_loops,
-    device_loader_loop,
-    naive_loop,
-    sgd_step,
-)
+from tpu_helpers.device_loader import StrictDeviceLoader
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +104,9 @@ def test_eval_loader_through_strict_loader_keeps_index_and_mask(device):
 
 
 def test_loops_run_the_same_steps_without_recompiling(device):
-    from tpu_helpers.models import DigitsCNN
+    from course.models import DigitsCNN
 
-    x, y = D.load_digits("test")
+    x, y = DS.load_digits("test")
     loader = DataLoader(D.ArrayDataset(x, y, 10), batch_size=32, drop_last=True)
     torch.manual_seed(0)
     step = sgd_step(DigitsCNN().to(device))
@@ -129,7 +125,7 @@ def test_loops_run_the_same_steps_without_recompiling(device):
 
 @pytest.mark.slow
 def test_spmd_input_sharding_splits_the_global_batch_in_a_fresh_process():
-    from tpu_helpers.device_loader import run_spmd_loader_demo
+    from course.loader_experiments import run_spmd_loader_demo
 
     out = run_spmd_loader_demo(batch_size=32, num_devices=4, steps=3)
     assert out["devices"] == 4 and out["world_size"] == 1

@@ -1,10 +1,10 @@
-"""tpu_helpers.host_memory with real forked processes: shared numpy pages are not copied."""
+"""course.host_memory with real forked processes: shared numpy pages are not copied."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from tpu_helpers.host_memory import forked_memory, touch_all
+from course.host_memory import forked_memory, touch_all
 
 SIZE_MB = 32
 

@@ -21,16 +21,19 @@ from lightning.pytorch.plugins import XLAPrecision
 from lightning.pytorch.strategies import SingleDeviceXLAStrategy
 from torch.utils.data import DataLoader
 
-from tpu_helpers.data import ArrayDataset, load_digits
+from course.datasets import load_digits
+from course.lightning_demo import (
+    DigitsLightningModule,
+    XLACountsCallback,
+    describe_choice,
+    lightning_devices_table,
+)
+from tpu_helpers.data import ArrayDataset
 from tpu_helpers.env import EnvironmentProblem, Runtime, layout_for
 from tpu_helpers.lightning import (
     AtomicXLACheckpointIO,
-    DigitsLightningModule,
     ExactlyOncePredictionWriter,
-    XLACountsCallback,
     XLACPUAccelerator,
-    describe_choice,
-    lightning_devices_table,
     read_predictions,
     trainer_kwargs,
 )
@@ -224,8 +227,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from tpu_helpers.data import ArrayDataset, load_digits
-from tpu_helpers.lightning import DigitsLightningModule
+from tpu_helpers.data import ArrayDataset
+from course.datasets import load_digits
+from course.lightning_demo import DigitsLightningModule
 
 
 class CountReduceInSteps(L.Callback):

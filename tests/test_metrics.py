@@ -15,6 +15,7 @@ import torch_xla
 from conftest import run_python
 from torch import nn
 
+from course.models import DigitsCNN
 from tpu_helpers.metrics import (
     CompileCause,
     Counts,
@@ -26,7 +27,6 @@ from tpu_helpers.metrics import (
     snapshot,
     track,
 )
-from tpu_helpers.models import DigitsCNN
 
 
 def _lineno(marker: str) -> int:

@@ -218,7 +218,8 @@ def test_merge_shards_checks_counts(tmp_path):
 
 @pytest.fixture(scope="module")
 def digits():
-    from tpu_helpers.data import ArrayDataset, load_digits
+    from course.datasets import load_digits
+    from tpu_helpers.data import ArrayDataset
 
     x, y = load_digits("test")
     return ArrayDataset(x, y), x
@@ -228,7 +229,7 @@ def digits():
 def xla_model():
     import torch_xla
 
-    from tpu_helpers.models import DigitsCNN
+    from course.models import DigitsCNN
 
     torch.manual_seed(0)
     cpu = DigitsCNN().eval()

@@ -26,8 +26,8 @@ CASES = [(360, 16), (37, 4), (2, 8), (1, 1)]  # (n, batch): n prime, n < world, 
 
 
 def expected_logits(n: int) -> np.ndarray:
-    from tpu_helpers.data import load_digits
-    from tpu_helpers.models import DigitsCNN
+    from course.datasets import load_digits
+    from course.models import DigitsCNN
 
     x, _ = load_digits("test")
     torch.manual_seed(0)
@@ -40,8 +40,9 @@ WORKER = """
 import json, os, sys
 import numpy as np, torch, torch.distributed as dist
 import torch_xla
-from tpu_helpers.data import ArrayDataset, eval_shard_indices, load_digits
-from tpu_helpers.models import DigitsCNN
+from tpu_helpers.data import ArrayDataset, eval_shard_indices
+from course.datasets import load_digits
+from course.models import DigitsCNN
 from tpu_helpers.predict import TorchDistributedReplicas, gather_host_rows, predict
 
 rank, world, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -128,8 +129,9 @@ import json
 import numpy as np, torch
 import torch_xla, torch_xla.runtime as xr
 xr.use_spmd()
-from tpu_helpers.data import ArrayDataset, load_digits
-from tpu_helpers.models import DigitsCNN
+from tpu_helpers.data import ArrayDataset
+from course.datasets import load_digits
+from course.models import DigitsCNN
 from tpu_helpers.predict import SpmdMesh, predict
 from tpu_helpers.spmd import device_mesh
 
@@ -184,8 +186,9 @@ import json
 import numpy as np, torch
 import torch_xla
 import tpu_helpers.predict  # importing must not touch the device (launch would refuse)
-from tpu_helpers.data import ArrayDataset, load_digits
-from tpu_helpers.models import DigitsCNN
+from tpu_helpers.data import ArrayDataset
+from course.datasets import load_digits
+from course.models import DigitsCNN
 
 def run(index):
     import torch_xla.runtime as xr
@@ -225,8 +228,9 @@ import json
 import numpy as np, torch
 import torch_xla, torch_xla.runtime as xr
 xr.use_spmd()
-from tpu_helpers.data import ArrayDataset, load_digits
-from tpu_helpers.models import DigitsCNN
+from tpu_helpers.data import ArrayDataset
+from course.datasets import load_digits
+from course.models import DigitsCNN
 from tpu_helpers.predict import DEFAULT_CHUNK_BYTES, predict
 
 torch.manual_seed(0)

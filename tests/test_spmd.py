@@ -109,8 +109,9 @@ from torch import nn
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
     SpmdFullyShardedDataParallel as FSDPv2)
 xr.use_spmd()
-from tpu_helpers.spmd import (device_mesh, sharding_summary, plot_shard_layout,
-                              save_sharded_checkpoint, load_sharded_checkpoint)
+from tpu_helpers.spmd import (device_mesh, load_sharded_checkpoint, save_sharded_checkpoint,
+                              sharding_summary)
+from course.plots import plot_shard_layout
 
 out = {"devices": xr.global_runtime_device_count()}
 out["mesh_default"] = list(device_mesh(("data", "model")).mesh_shape)

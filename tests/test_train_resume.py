@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import REPO
 
+from course.models import DigitsCNN
 from tpu_helpers.checkpoint import CheckpointDir, load_checkpoint
-from tpu_helpers.models import DigitsCNN
 from tpu_helpers.train import ResumeMismatch, TrainConfig, resume_from
 
 METRICS = ("epoch", "steps", "step", "train_loss", "train_acc", "eval_loss", "eval_acc",

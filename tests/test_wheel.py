@@ -16,7 +16,7 @@ from conftest import REPO
 USE = """
 import json, pathlib, sys
 import tpu_helpers, tpu_helpers.checkpoint, tpu_helpers.predict, tpu_helpers.train
-from tpu_helpers.data import data_dir, load_digits, load_tabular_csv
+from course.datasets import data_dir, load_digits, load_tabular_csv
 x, y = load_digits("train")
 features, labels = load_tabular_csv(data_dir() / "breast_cancer.csv")
 print(json.dumps({"module": tpu_helpers.__file__, "data": str(data_dir()),

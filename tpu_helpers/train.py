@@ -346,10 +346,11 @@ def fit(config: TrainConfig) -> dict[str, Any]:
     import torch_xla.distributed.parallel_loader as pl
     import torch_xla.runtime as xr
 
+    from course.datasets import load_digits
+    from course.models import DigitsCNN
     from tpu_helpers.compile_cache import cache_counters, compile_cache_dir, enable_compile_cache
-    from tpu_helpers.data import ArrayDataset, load_digits, make_eval_loader, make_train_loader
+    from tpu_helpers.data import ArrayDataset, make_eval_loader, make_train_loader
     from tpu_helpers.metrics import track
-    from tpu_helpers.models import DigitsCNN
 
     if config.spmd != xr.is_spmd():
         raise RuntimeError(
