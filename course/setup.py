@@ -48,7 +48,10 @@ NOTEBOOK_PACKAGES = {
     "pillow": "pillow",
     "psutil": "psutil",
 }
-#: Libraries whose version must match torch, if the platform ships them.
+#: Libraries whose version must match torch, if the platform ships them: per supported line
+#: (``tpu_helpers.env.SUPPORTED``), the release built for that torch.
+COMPANION_VERSIONS = {"2.9": {"torchvision": "0.24.0", "torchaudio": "2.9.0"},
+                      "2.8": {"torchvision": "0.23.0", "torchaudio": "2.8.0"}}
 COMPANIONS = ("torchvision", "torchaudio")
 #: Every distribution :func:`plan_setup` looks at.
 TRACKED = ("torch", "torch-xla", "libtpu", *COMPANIONS, "jax", "jaxlib", *NOTEBOOK_PACKAGES)
@@ -79,7 +82,8 @@ def installed_versions() -> dict[str, str | None]:
 
 
 def _companion_command(comp: str, s: MatchedSet) -> str:
-    return pip_command([f"{comp}=={getattr(s, comp)}+cpu"], ["--extra-index-url", CPU_INDEX])
+    return pip_command([f"{comp}=={COMPANION_VERSIONS[s.name][comp]}+cpu"],
+                       ["--extra-index-url", CPU_INDEX])
 
 
 @dataclass
@@ -126,7 +130,7 @@ def _decide(inst: Mapping[str, str], has_tpu: bool
     changes = {k: v for k, v in fix.changes.items() if k == "torch"}
     notes: list[str] = []
     for comp in COMPANIONS:
-        want, have = getattr(target, comp), inst.get(comp)
+        want, have = COMPANION_VERSIONS[target.name][comp], inst.get(comp)
         if have is None or _base(have) == want:
             continue
         if pair is None:  # the set changes: the companion follows torch, as a CPU build

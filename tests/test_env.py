@@ -422,7 +422,7 @@ def test_verify_names_a_broken_companion(tmp_path):
     vision, audio = problems
     assert vision.startswith("torchvision: torchvision.ops.nms on 2 boxes failed: RuntimeError: "
                              "operator torchvision::nms does not exist; fix: ")
-    assert f"torchvision=={HERE.torchvision}+cpu" in vision
+    assert f"torchvision=={setup.COMPANION_VERSIONS[HERE.name]['torchvision']}+cpu" in vision
     assert "pip uninstall -y torchvision" in vision
     assert audio.startswith("torchaudio: crashed the process (exit 134)")
     assert setup.verify_environment() == []  # the real venv: torch and torch_xla both work

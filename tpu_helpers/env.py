@@ -194,20 +194,14 @@ def detect_runtime(
 
 @dataclass(frozen=True)
 class MatchedSet:
-    """One supported release line: a torch / torch_xla pair and what must match it.
-
-    torch and torch_xla must be the same release. torchvision and torchaudio pin the exact
-    torch they were built for. ``torch_xla[tpu]`` pins ``libtpu``; a platform build of that
-    libtpu (Colab's ``0.0.21.1``) fits too.
-    """
+    """One supported release line: torch and torch_xla are the same release, and
+    ``torch_xla[tpu]`` pins ``libtpu`` (a platform build of it, Colab's ``0.0.21.1``, fits too)."""
 
     name: str
     torch: str
     #: Accepted torch_xla releases for this torch; the first is the one installed.
     torch_xla: tuple[str, ...]
     libtpu: str
-    torchvision: str
-    torchaudio: str
 
     def fits_libtpu(self, version: str | None) -> bool:
         return version is not None and (version == self.libtpu
@@ -216,10 +210,8 @@ class MatchedSet:
 
 #: The supported matched sets (torch_xla 2.9.0 is the last release; Kaggle ships 2.8).
 SUPPORTED: dict[str, MatchedSet] = {
-    "2.9": MatchedSet("2.9", torch="2.9.0", torch_xla=("2.9.0",), libtpu="0.0.21",
-                      torchvision="0.24.0", torchaudio="2.9.0"),
-    "2.8": MatchedSet("2.8", torch="2.8.0", torch_xla=("2.8.0", "2.8.1"), libtpu="0.0.17",
-                      torchvision="0.23.0", torchaudio="2.8.0"),
+    "2.9": MatchedSet("2.9", torch="2.9.0", torch_xla=("2.9.0",), libtpu="0.0.21"),
+    "2.8": MatchedSet("2.8", torch="2.8.0", torch_xla=("2.8.0", "2.8.1"), libtpu="0.0.17"),
 }
 #: What gets installed when no supported torch is present.
 DEFAULT_SET = "2.9"
