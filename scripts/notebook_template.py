@@ -213,23 +213,9 @@ def budget_seconds(path: str | Path) -> int:
     return budget if type(budget) is int and 0 < budget <= MAX_BUDGET_S else MAX_BUDGET_S
 
 
-def check_notebook(path: str | Path) -> list[str]:
-    """Return the template problems of one notebook (an empty list means it conforms)."""
-    path = Path(path)
-    name = path.name
-    problems: list[str] = []
-    if not _NAME.match(name):
-        problems.append(f"name {name!r} is not NN_lowercase_words.ipynb")
-    try:
-        nb = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return [f"cannot read as notebook JSON: {exc}"]
-    cells = nb.get("cells", [])
-    if len(cells) < 5:
-        return problems + [f"only {len(cells)} cells; the template needs at least 5"]
-
-    first = cells[0]
-    head = _source(first)
+def _head_problems(name: str, first: dict[str, Any]) -> list[str]:
+    """Cell 1: title, both badges, the runtime line, 'What you will learn'."""
+    head, problems = _source(first), []
     if first.get("cell_type") != "markdown" or not head.startswith("# "):
         problems.append("cell 1 must be markdown starting with a '# Title'")
     if f"]({colab_url(name)})" not in head or COLAB_BADGE not in head:
@@ -240,10 +226,12 @@ def check_notebook(path: str | Path) -> list[str]:
         problems.append("cell 1 lacks the line saying which menu picks a TPU (run `make template`)")
     if "what you will learn" not in head.lower():
         problems.append("cell 1 lacks a 'What you will learn' section")
-    problems += metadata_problems(nb.get("metadata", {}))
-    problems += course_problems(nb.get("metadata", {}))
+    return problems
 
-    code = [c for c in cells if c.get("cell_type") == "code"]
+
+def _code_problems(code: list[dict[str, Any]]) -> list[str]:
+    """The setup cell, the config cell, and at least one assert."""
+    problems = []
     if not code or _source(code[0]) != setup_cell():
         problems.append("the first code cell is not the canonical setup cell (run `make template`)")
     if sum(_source(c).startswith(SETUP_MARKER) for c in code) > 1:
@@ -256,7 +244,12 @@ def check_notebook(path: str | Path) -> list[str]:
         problems.append("more than one config cell")
     if not any(re.search(r"^\s*assert\b", _source(c), re.M) for c in code):
         problems.append("no cell asserts a claim")
+    return problems
 
+
+def _ending_problems(path: Path, cells: list[dict[str, Any]]) -> list[str]:
+    """'What you learned', then a link to the next notebook (or back to the README)."""
+    name, problems = path.name, []
     md = [_source(c) for c in cells if c.get("cell_type") == "markdown"]
     learned = [i for i, s in enumerate(md) if re.search(r"^#+ What you learned", s, re.M)]
     if not learned:
@@ -269,7 +262,27 @@ def check_notebook(path: str | Path) -> list[str]:
         name) else None
     if not nxt and "](../README.md)" not in tail and not planned:
         problems.append("the last notebook must link back to ../README.md")
+    return problems
 
+
+def check_notebook(path: str | Path) -> list[str]:
+    """Return the template problems of one notebook (an empty list means it conforms)."""
+    path = Path(path)
+    problems: list[str] = []
+    if not _NAME.match(path.name):
+        problems.append(f"name {path.name!r} is not NN_lowercase_words.ipynb")
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return [f"cannot read as notebook JSON: {exc}"]
+    cells = nb.get("cells", [])
+    if len(cells) < 5:
+        return problems + [f"only {len(cells)} cells; the template needs at least 5"]
+    problems += _head_problems(path.name, cells[0])
+    problems += metadata_problems(nb.get("metadata", {}))
+    problems += course_problems(nb.get("metadata", {}))
+    problems += _code_problems([c for c in cells if c.get("cell_type") == "code"])
+    problems += _ending_problems(path, cells)
     for i, c in enumerate(cells, 1):
         if c.get("cell_type") == "code" and (c.get("outputs") or c.get("execution_count")):
             problems.append(f"cell {i} has committed outputs or an execution count (make strip)")
