@@ -12,6 +12,11 @@ Command line::
     python scripts/notebook_template.py --write notebooks   # re-render badges + setup
     python scripts/notebook_template.py --write notebooks/03_multicore_training.ipynb
     python scripts/notebook_template.py --strip notebooks   # drop outputs and counts
+    python scripts/notebook_template.py --readme README.md  # the course table from metadata
+
+Each notebook's top-level metadata carries what it teaches, which devices it uses and its
+time budget (:data:`COURSE_KEY`); the checker validates it, ``scripts/notebook_budget.py``
+enforces the budget and ``--readme`` renders the README's course table from it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,17 @@ RUNTIME_LINE = (f"{RUNTIME_PREFIX} the badges ask for a TPU. If you get none, pi
 
 _NAME = re.compile(r"^(\d\d)_[a-z0-9_]+\.ipynb$")
 
+#: The course's own block in each notebook's top-level metadata, e.g.
+#: ``"tpu_notebooks": {"teaches": ["short item", ...], "devices": "One sentence.",
+#: "budget_seconds": 90}``: what it teaches, what devices it uses here and on a TPU, and the
+#: seconds it may take alone on a 2-core CPU machine with ``CI=true`` (at most 90).
+COURSE_KEY = "tpu_notebooks"
+MAX_BUDGET_S = 90
+#: Longest "teaches" item and "devices" sentence (they fill a README table cell).
+MAX_TEACH_CHARS = 90
+MAX_DEVICES_CHARS = 240
+README_START, README_END = "<!-- course-table:start -->", "<!-- course-table:end -->"
+
 
 def colab_url(name: str) -> str:
     """The "Open in Colab" link for ``notebooks/<name>``."""
@@ -86,8 +102,9 @@ def setup_cell() -> str:
     (a fork's git URL, a folder holding an uploaded copy of the repository, or a wheel file or
     URL; default: a clone of :data:`REPO_URL`). If that fails it prints one message listing the
     alternatives and stops with a one-line error (no pip/git traceback). Then
-    ``setup_notebook()`` keeps a supported torch/torch_xla pair or installs a matched one
-    (:func:`tpu_helpers.env.plan_setup`)."""
+    ``course.setup.setup_notebook()`` keeps a supported torch/torch_xla pair or installs a
+    matched one (:func:`course.setup.plan_setup`). A clone or an uploaded folder puts the
+    repository on ``sys.path`` (``tpu_helpers`` and ``course``); the wheel installs both."""
     return f'''{SETUP_MARKER}: on Colab/Kaggle gets this repo's tpu_helpers, then installs
 # only what the platform lacks (it keeps a supported torch/torch_xla pair); locally nothing.
 import importlib.util
@@ -116,7 +133,7 @@ if importlib.util.find_spec("tpu_helpers") is None:  # {SOURCE_VAR}: a git URL, 
               "Internet on.")
         raise ModuleNotFoundError("tpu_helpers is not available: see the message above.")
 
-from tpu_helpers.env import setup_notebook
+from course.setup import setup_notebook
 
 RUNTIME = setup_notebook()'''
 
@@ -154,23 +171,51 @@ def metadata_problems(meta: dict[str, Any]) -> list[str]:
     return problems
 
 
-def check_notebook(path: str | Path) -> list[str]:
-    """Return the template problems of one notebook (an empty list means it conforms)."""
-    path = Path(path)
-    name = path.name
-    problems: list[str] = []
-    if not _NAME.match(name):
-        problems.append(f"name {name!r} is not NN_lowercase_words.ipynb")
-    try:
-        nb = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return [f"cannot read as notebook JSON: {exc}"]
-    cells = nb.get("cells", [])
-    if len(cells) < 5:
-        return problems + [f"only {len(cells)} cells; the template needs at least 5"]
+def course_problems(meta: dict[str, Any]) -> list[str]:
+    """What is wrong with the notebook's :data:`COURSE_KEY` metadata (empty: it is fine)."""
+    course = meta.get(COURSE_KEY)
+    where = f"metadata.{COURSE_KEY}"
+    if not isinstance(course, dict):
+        return [f"{where} is missing: add {{\"teaches\": [...], \"devices\": \"...\", "
+                f"\"budget_seconds\": {MAX_BUDGET_S}}} (notebooks/README.md)"]
+    problems = []
+    teaches = course.get("teaches")
+    if not (isinstance(teaches, list) and teaches
+            and all(isinstance(t, str) and t.strip() for t in teaches)):
+        problems.append(f"{where}.teaches must be a non-empty list of short strings")
+    else:
+        long = [t for t in teaches if len(t) > MAX_TEACH_CHARS]
+        if long:
+            problems.append(f"{where}.teaches items over {MAX_TEACH_CHARS} characters: {long}")
+    devices = course.get("devices")
+    if not (isinstance(devices, str) and devices.strip().endswith(".")
+            and 20 <= len(devices) <= MAX_DEVICES_CHARS):
+        problems.append(f"{where}.devices must be one sentence (20-{MAX_DEVICES_CHARS} "
+                        "characters, ending with '.') saying which devices it uses here and on "
+                        "a TPU")
+    budget = course.get("budget_seconds")
+    if type(budget) is not int or not 0 < budget <= MAX_BUDGET_S:
+        problems.append(f"{where}.budget_seconds must be an int from 1 to {MAX_BUDGET_S}, "
+                        f"not {budget!r}")
+    unknown = sorted(set(course) - {"teaches", "devices", "budget_seconds"})
+    if unknown:
+        problems.append(f"{where} has unknown keys {unknown}")
+    return problems
 
-    first = cells[0]
-    head = _source(first)
+
+def budget_seconds(path: str | Path) -> int:
+    """The notebook's time budget from its metadata (:data:`MAX_BUDGET_S` if it has none)."""
+    try:
+        course = json.loads(Path(path).read_text(encoding="utf-8"))["metadata"][COURSE_KEY]
+        budget = course["budget_seconds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return MAX_BUDGET_S
+    return budget if type(budget) is int and 0 < budget <= MAX_BUDGET_S else MAX_BUDGET_S
+
+
+def _head_problems(name: str, first: dict[str, Any]) -> list[str]:
+    """Cell 1: title, both badges, the runtime line, 'What you will learn'."""
+    head, problems = _source(first), []
     if first.get("cell_type") != "markdown" or not head.startswith("# "):
         problems.append("cell 1 must be markdown starting with a '# Title'")
     if f"]({colab_url(name)})" not in head or COLAB_BADGE not in head:
@@ -181,9 +226,12 @@ def check_notebook(path: str | Path) -> list[str]:
         problems.append("cell 1 lacks the line saying which menu picks a TPU (run `make template`)")
     if "what you will learn" not in head.lower():
         problems.append("cell 1 lacks a 'What you will learn' section")
-    problems += metadata_problems(nb.get("metadata", {}))
+    return problems
 
-    code = [c for c in cells if c.get("cell_type") == "code"]
+
+def _code_problems(code: list[dict[str, Any]]) -> list[str]:
+    """The setup cell, the config cell, and at least one assert."""
+    problems = []
     if not code or _source(code[0]) != setup_cell():
         problems.append("the first code cell is not the canonical setup cell (run `make template`)")
     if sum(_source(c).startswith(SETUP_MARKER) for c in code) > 1:
@@ -196,7 +244,12 @@ def check_notebook(path: str | Path) -> list[str]:
         problems.append("more than one config cell")
     if not any(re.search(r"^\s*assert\b", _source(c), re.M) for c in code):
         problems.append("no cell asserts a claim")
+    return problems
 
+
+def _ending_problems(path: Path, cells: list[dict[str, Any]]) -> list[str]:
+    """'What you learned', then a link to the next notebook (or back to the README)."""
+    name, problems = path.name, []
     md = [_source(c) for c in cells if c.get("cell_type") == "markdown"]
     learned = [i for i, s in enumerate(md) if re.search(r"^#+ What you learned", s, re.M)]
     if not learned:
@@ -209,7 +262,27 @@ def check_notebook(path: str | Path) -> list[str]:
         name) else None
     if not nxt and "](../README.md)" not in tail and not planned:
         problems.append("the last notebook must link back to ../README.md")
+    return problems
 
+
+def check_notebook(path: str | Path) -> list[str]:
+    """Return the template problems of one notebook (an empty list means it conforms)."""
+    path = Path(path)
+    problems: list[str] = []
+    if not _NAME.match(path.name):
+        problems.append(f"name {path.name!r} is not NN_lowercase_words.ipynb")
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return [f"cannot read as notebook JSON: {exc}"]
+    cells = nb.get("cells", [])
+    if len(cells) < 5:
+        return problems + [f"only {len(cells)} cells; the template needs at least 5"]
+    problems += _head_problems(path.name, cells[0])
+    problems += metadata_problems(nb.get("metadata", {}))
+    problems += course_problems(nb.get("metadata", {}))
+    problems += _code_problems([c for c in cells if c.get("cell_type") == "code"])
+    problems += _ending_problems(path, cells)
     for i, c in enumerate(cells, 1):
         if c.get("cell_type") == "code" and (c.get("outputs") or c.get("execution_count")):
             problems.append(f"cell {i} has committed outputs or an execution count (make strip)")
@@ -315,15 +388,62 @@ def notebooks(folder: str | Path) -> list[Path]:
     return sorted(Path(folder).glob("[0-9][0-9]_*.ipynb"))
 
 
+def _title(nb: dict[str, Any]) -> str:
+    first = _source(nb["cells"][0]).splitlines()[0] if nb.get("cells") else ""
+    return first.removeprefix("# ").strip()
+
+
+def course_table(folder: str | Path) -> str:
+    """The README's course table, one row per notebook, from each notebook's metadata."""
+    folder = Path(folder)
+    rows = ["| notebook | what it teaches | devices | budget |", "|---|---|---|---|"]
+    for path in notebooks(folder):
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        course = nb.get("metadata", {}).get(COURSE_KEY)
+        link = f"[{_title(nb)}]({folder.name}/{path.name})"
+        if not isinstance(course, dict) or course_problems(nb["metadata"]):
+            rows.append(f"| {link} | (no valid {COURSE_KEY} metadata) | | |")
+            continue
+        teaches = "; ".join(t.replace("|", "\\|") for t in course["teaches"])
+        devices = course["devices"].replace("|", "\\|")
+        rows.append(f"| {link} | {teaches} | {devices} | {course['budget_seconds']} s |")
+    return "\n".join(rows)
+
+
+def readme_with_table(text: str, table: str) -> str:
+    """``text`` with the block between :data:`README_START` and :data:`README_END` replaced."""
+    if README_START not in text or README_END not in text:
+        raise ValueError(f"no {README_START} ... {README_END} block")
+    before, rest = text.split(README_START, 1)
+    after = rest.split(README_END, 1)[1]
+    return f"{before}{README_START}\n{table}\n{README_END}{after}"
+
+
+def readme_table(text: str) -> str:
+    """The course table committed in a README's block."""
+    return text.split(README_START, 1)[1].split(README_END, 1)[0].strip()
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true")
     mode.add_argument("--write", action="store_true")
     mode.add_argument("--strip", action="store_true")
+    mode.add_argument("--readme", metavar="README.md",
+                      help="rewrite the course table in this README from the notebooks' metadata")
     ap.add_argument("paths", nargs="*", default=["notebooks"],
                     help="notebook files, or folders of NN_*.ipynb notebooks")
     args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.readme:
+        folder = args.paths[0] if args.paths else "notebooks"
+        readme = Path(args.readme)
+        text = readme_with_table(readme.read_text(encoding="utf-8"), course_table(folder))
+        readme.write_text(text, encoding="utf-8")
+        missing = course_table(folder).count(f"(no valid {COURSE_KEY} metadata)")
+        print(f"{readme}: course table from {len(notebooks(folder))} notebooks"
+              + (f", {missing} without valid {COURSE_KEY} metadata" if missing else ""))
+        return 1 if missing else 0
     paths = [p for arg in args.paths
              for p in (notebooks(arg) if Path(arg).is_dir() else [Path(arg)])]
     if not paths:

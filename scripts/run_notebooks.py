@@ -4,7 +4,8 @@ Usage: ``python scripts/run_notebooks.py [notebooks] [outputs] [--only NN ...]``
 (``make run-notebooks``). Each notebook runs in a fresh kernel with ``notebooks/`` as its
 working directory, exactly as nbmake runs it; the executed copy (with outputs and plots)
 is written to ``outputs/NN_name.ipynb`` even when a cell fails. Exit status 1 if any
-notebook failed or took longer than the template's 90 s budget (``--budget``).
+notebook failed or took longer than its budget (``metadata.tpu_notebooks.budget_seconds``,
+at most 90 s; ``--budget`` overrides it for every notebook).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+from notebook_template import budget_seconds  # this folder (scripts/) is on sys.path
 
 
 def run_one(path: Path, out_dir: Path, timeout: int) -> tuple[str, float, str]:
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", nargs="?", default="outputs")
     ap.add_argument("--only", nargs="*", default=None, help="notebook number prefixes, e.g. 00 03")
     ap.add_argument("--timeout", type=int, default=300, help="per-cell timeout in seconds")
-    ap.add_argument("--budget", type=float, default=90.0, help="seconds allowed per notebook")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds allowed per notebook (default: each notebook's own budget)")
     args = ap.parse_args(argv)
     paths = sorted(Path(args.folder).glob("[0-9][0-9]_*.ipynb"))
     if args.only:
@@ -59,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     for p in paths:
         print(f"running {p.name} ...", flush=True)
         status, seconds, detail = run_one(p.resolve(), Path(args.out), args.timeout)
-        if status == "ok" and seconds > args.budget:
-            status, detail = "SLOW", f"over the {args.budget:.0f} s budget"
+        budget = args.budget or budget_seconds(p)
+        if status == "ok" and seconds > budget:
+            status, detail = "SLOW", f"over its {budget:.0f} s budget"
         rows.append((p.name, status, seconds, detail))
     width = max(len(r[0]) for r in rows)
     print(f"\n{'notebook':{width}}  status  seconds  detail")

@@ -31,8 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from course.setup import installed_versions  # noqa: E402
 from tpu_helpers.checkpoint import atomic_write  # noqa: E402
-from tpu_helpers.env import detect_runtime, installed_versions  # noqa: E402
+from tpu_helpers.env import detect_runtime  # noqa: E402
 
 RESULTS = REPO / "results" / "tpu_runs.json"
 README = REPO / "README.md"

@@ -1,4 +1,5 @@
-"""tpu_helpers.env: runtime detection, emulation, version checks, notebook setup.
+"""tpu_helpers.env (runtime detection, emulation, version checks) and course.setup (the
+notebooks' setup cell, built on it).
 
 Detection is tested on real files: fake sysfs trees written to tmp_path (the same layout
 as /sys/bus/pci/devices) and explicit environment mappings. Anything that starts the XLA
@@ -14,6 +15,7 @@ from urllib.parse import unquote
 import pytest
 from conftest import run_python
 
+from course import setup
 from tpu_helpers import env
 from tpu_helpers.env import EnvironmentProblem, configure_emulation, detect_runtime
 
@@ -90,12 +92,13 @@ def test_unknown_environment_is_one_clear_sentence(tmp_path, no_kaggle):
                        kaggle_dir=no_kaggle)
 
 
-def test_layout_table_generations():
-    table = env.layout_table()
-    assert table.loc["v3-8", "world size"] == 8
-    assert table.loc["v4-8", "world size"] == 4
-    assert table.loc["v5e-1 (Colab)", "world size"] == 1
-    assert table.loc["v5e-8 (Kaggle)", "world size"] == 8
+def test_layouts_of_the_hosts_a_learner_meets():
+    world = {name: env.layout_for(gen, chips).world_size for name, gen, chips in
+             [("v3-8", "v3", 4), ("v4-8", "v4", 4), ("v5e-1", "v5e", 1), ("v5e-8", "v5e", 8)]}
+    assert world == {"v3-8": 8, "v4-8": 4, "v5e-1": 1, "v5e-8": 8}
+    assert env.layout_for("v3").processes == 4 and env.layout_for("v5e").processes == 8
+    with pytest.raises(EnvironmentProblem, match="Unknown TPU generation 'v9'"):
+        env.layout_for("v9")
 
 
 def test_configure_emulation_sets_cpu_devices(tmp_path, no_kaggle):
@@ -196,6 +199,18 @@ def test_missing_torch_xla_is_one_sentence(tmp_path):
     assert fix in proc.stdout
 
 
+def test_version_problems_from_given_versions_are_pure():
+    fine = {"torch": "2.9.0+cpu", "torch_xla": "2.9.0", "libtpu": "0.0.21.1"}
+    assert env.version_problems(tpu=True, versions=fine) == []
+    (problem,) = env.version_problems(tpu=True, versions={**fine, "libtpu": "0.0.23"})
+    assert problem.startswith("libtpu 0.0.23 does not fit torch_xla 2.9.0")
+    assert problem.endswith("run `pip install libtpu==0.0.21` and restart the runtime.")
+    (bare,) = env.version_problems(tpu=False, versions={})
+    assert bare == ("torch and torch_xla are not installed: run `pip install torch==2.9.0+cpu "
+                    "torch_xla==2.9.0 --extra-index-url https://download.pytorch.org/whl/cpu` "
+                    "and restart the runtime.")
+
+
 # ------------------------------------------------- the setup planner on the platforms' images
 
 DATA = Path(__file__).parent / "data"
@@ -258,7 +273,7 @@ def parse_kaggle_packages(text: str) -> dict[str, str]:
 
 COLAB = parse_pip_freeze((DATA / "colab-tpu-pip-freeze.txt").read_text())
 KAGGLE = parse_kaggle_packages((DATA / "kaggle-tpu-packages.txt").read_text())
-LIGHT = set(env.NOTEBOOK_PACKAGES.values())
+LIGHT = set(setup.NOTEBOOK_PACKAGES.values())
 
 
 def test_the_published_package_lists_parse():
@@ -280,7 +295,7 @@ def _no_cuda(reqs: list[str]) -> None:
 
 @pytest.mark.parametrize("torch_imported", [False, True])
 def test_colab_image_installs_nothing_heavy(torch_imported):
-    plan = env.plan_setup(COLAB, "colab", has_tpu=True, torch_imported=torch_imported)
+    plan = setup.plan_setup(COLAB, "colab", has_tpu=True, torch_imported=torch_imported)
     assert plan.heavy == [] and plan.changes == {} and not plan.restart_needed
     assert plan.install == ["lightning==2.6.6"] and plan.pip_args == []
     assert plan.target.name == "2.9"
@@ -289,7 +304,7 @@ def test_colab_image_installs_nothing_heavy(torch_imported):
 
 
 def test_kaggle_image_installs_nothing_heavy():
-    plan = env.plan_setup(KAGGLE, "kaggle", has_tpu=True, torch_imported=False)
+    plan = setup.plan_setup(KAGGLE, "kaggle", has_tpu=True, torch_imported=False)
     assert plan.heavy == [] and plan.changes == {} and plan.pip_args == []
     assert set(plan.install) <= LIGHT and "lightning==2.6.6" in plan.install
     assert plan.target.name == "2.8"  # torch 2.8 + torch_xla 2.8 accepted as they are
@@ -298,14 +313,14 @@ def test_kaggle_image_installs_nothing_heavy():
 
 
 def test_bare_tpu_vm_gets_the_2_9_cpu_set():
-    plan = env.plan_setup({}, "tpu-vm", has_tpu=True, torch_imported=False)
+    plan = setup.plan_setup({}, "tpu-vm", has_tpu=True, torch_imported=False)
     assert plan.install == []  # a TPU VM is yours: nothing is installed, the fix is printed
     want = ("pip install torch==2.9.0+cpu 'torch_xla[tpu]==2.9.0' libtpu==0.0.21 "
             "--extra-index-url https://download.pytorch.org/whl/cpu")
     assert plan.command == want
     assert plan.problems and all(want in p for p in plan.problems)
     # the same bare TPU host on Colab/Kaggle installs that set plus the notebook packages
-    hosted = env.plan_setup({}, "colab", has_tpu=True, torch_imported=False)
+    hosted = setup.plan_setup({}, "colab", has_tpu=True, torch_imported=False)
     assert hosted.heavy == ["torch==2.9.0+cpu", "torch_xla[tpu]==2.9.0", "libtpu==0.0.21"]
     assert set(hosted.install) == set(hosted.heavy) | LIGHT
     assert hosted.pip_args == ["--extra-index-url", env.CPU_INDEX]
@@ -315,7 +330,7 @@ def test_bare_tpu_vm_gets_the_2_9_cpu_set():
 
 def test_kaggle_without_torch_xla_gets_2_8_matched_to_its_torch():
     image = {k: v for k, v in KAGGLE.items() if k != "torch_xla"}
-    plan = env.plan_setup(image, "kaggle", has_tpu=True, torch_imported=False)
+    plan = setup.plan_setup(image, "kaggle", has_tpu=True, torch_imported=False)
     assert plan.heavy == ["torch_xla==2.8.0"]  # libtpu 0.0.17 fits: no [tpu] extra to move it
     assert plan.pip_args == [] and plan.target.name == "2.8"
     assert "libtpu 0.0.17 (fits torch_xla 2.8.0)" in plan.before
@@ -324,42 +339,54 @@ def test_kaggle_without_torch_xla_gets_2_8_matched_to_its_torch():
 
 def test_mismatched_pair_gets_a_matched_set_or_a_restart():
     image = {**COLAB, "torch-xla": "2.8.0"}  # torch 2.9 + torch_xla 2.8
-    plan = env.plan_setup(image, "colab", has_tpu=True, torch_imported=False)
+    plan = setup.plan_setup(image, "colab", has_tpu=True, torch_imported=False)
     assert plan.heavy == ["torch_xla==2.9.0"] and not plan.restart_needed
     assert "torch 2.9.0+cpu does not match torch_xla 2.8.0" in plan.before
-    imported = env.plan_setup(image, "colab", has_tpu=True, torch_imported=True)
+    imported = setup.plan_setup(image, "colab", has_tpu=True, torch_imported=True)
     assert imported.restart_needed and imported.install == []
     assert "restart the runtime, then run this setup cell first" in imported.before
+
+
+@pytest.mark.parametrize("image", ["colab", "kaggle", "mismatch", "bare", "new-libtpu"])
+def test_toolkit_check_and_course_setup_agree(image):
+    """The toolkit's version check and the setup cell's plan give the same sentences on a TPU
+    VM (where the setup installs nothing and only says the fix), for torch/torch_xla/libtpu."""
+    images = {"colab": COLAB, "kaggle": KAGGLE, "mismatch": {**COLAB, "torch-xla": "2.8.0"},
+              "bare": {}, "new-libtpu": {**KAGGLE, "libtpu": "0.0.23"}}
+    versions = {k.replace("-", "_"): v for k, v in images[image].items()}
+    plan = setup.plan_setup({k: versions.get(k) for k in ("torch", "torch_xla", "libtpu")},
+                            "tpu-vm", has_tpu=True, torch_imported=False)
+    assert env.version_problems(tpu=True, versions=versions) == plan.problems
 
 
 def test_companions_follow_torch_only_if_present():
     image = {**KAGGLE, "torch": "2.10.0+cpu", "torchvision": "0.25.0+cpu"}
     image.pop("torch_xla")
-    plan = env.plan_setup(image, "kaggle", has_tpu=False, torch_imported=False)
+    plan = setup.plan_setup(image, "kaggle", has_tpu=False, torch_imported=False)
     assert plan.target.name == "2.9"  # torch 2.10 has no torch_xla: the default line
     assert plan.heavy == ["torch==2.9.0+cpu", "torchvision==0.24.0+cpu",
                           "torchaudio==2.9.0+cpu", "torch_xla==2.9.0"]
     _no_cuda(plan.install)
     bare = {k: v for k, v in image.items() if k not in ("torchvision", "torchaudio")}
-    plan = env.plan_setup(bare, "kaggle", has_tpu=False, torch_imported=False)
+    plan = setup.plan_setup(bare, "kaggle", has_tpu=False, torch_imported=False)
     assert plan.heavy == ["torch==2.9.0+cpu", "torch_xla==2.9.0"]  # nothing added
-    restart = env.plan_setup(image, "kaggle", has_tpu=False, torch_imported=True)
+    restart = setup.plan_setup(image, "kaggle", has_tpu=False, torch_imported=True)
     assert restart.restart_needed and restart.install == []
 
 
 def test_libtpu_moves_only_when_the_pair_needs_it():
     # Kaggle/docker-python 1499: jax's newer libtpu broke torch 2.8 (PJRT API mismatch)
     image = {**KAGGLE, "libtpu": "0.0.23"}
-    plan = env.plan_setup(image, "kaggle", has_tpu=True, torch_imported=False)
+    plan = setup.plan_setup(image, "kaggle", has_tpu=True, torch_imported=False)
     assert plan.heavy == ["libtpu==0.0.17"]
     assert "libtpu 0.0.23 does not fit torch_xla 2.8.0" in plan.before
     assert "PJRT" in plan.before and "jax" in plan.before  # says what stays and why
-    assert env.plan_setup(image, "kaggle", False, False).heavy == []  # no TPU: libtpu unused
+    assert setup.plan_setup(image, "kaggle", False, False).heavy == []  # no TPU: libtpu unused
 
 
 def test_local_machine_never_installs():
     image = {**COLAB, "torch-xla": None}
-    plan = env.plan_setup(image, "local", has_tpu=False, torch_imported=False)
+    plan = setup.plan_setup(image, "local", has_tpu=False, torch_imported=False)
     assert plan.install == [] and not plan.restart_needed
     assert plan.problems == ["torch_xla is not installed (torch 2.9.0+cpu is): run "
                              "`pip install torch_xla==2.9.0` and restart the runtime."]
@@ -390,22 +417,23 @@ def test_verify_names_a_broken_companion(tmp_path):
     crash = tmp_path / "fake" / "torchaudio"
     crash.mkdir()
     (crash / "__init__.py").write_text("import os\nos._exit(134)  # dies while loading\n")
-    problems = env.verify_environment(extra_env={"PYTHONPATH": str(tmp_path / "fake")})
+    problems = setup.verify_environment(extra_env={"PYTHONPATH": str(tmp_path / "fake")})
     assert len(problems) == 2, problems
     vision, audio = problems
     assert vision.startswith("torchvision: torchvision.ops.nms on 2 boxes failed: RuntimeError: "
                              "operator torchvision::nms does not exist; fix: ")
-    assert f"torchvision=={HERE.torchvision}+cpu" in vision
+    assert f"torchvision=={setup.COMPANION_VERSIONS[HERE.name]['torchvision']}+cpu" in vision
     assert "pip uninstall -y torchvision" in vision
     assert audio.startswith("torchaudio: crashed the process (exit 134)")
-    assert env.verify_environment() == []  # the real venv: torch and torch_xla both work
+    assert setup.verify_environment() == []  # the real venv: torch and torch_xla both work
 
 
 def test_setup_notebook_reports_a_failed_pip_and_never_says_fine(tmp_path):
     site = fake_dists(tmp_path / "site", {"torch_xla": OTHER.torch_xla[0]})  # beside real torch
     proc = run_python(
         """
-        from tpu_helpers.env import EnvironmentProblem, setup_notebook
+        from course.setup import setup_notebook
+        from tpu_helpers.env import EnvironmentProblem
         try:
             setup_notebook()
         except EnvironmentProblem as exc:
@@ -429,7 +457,8 @@ def test_setup_notebook_asks_for_a_restart_when_torch_is_imported(tmp_path):
     proc = run_python(
         """
         import torch
-        from tpu_helpers.env import EnvironmentProblem, setup_notebook
+        from course.setup import setup_notebook
+        from tpu_helpers.env import EnvironmentProblem
         try:
             setup_notebook()
         except EnvironmentProblem as exc:
@@ -449,14 +478,15 @@ def test_setup_notebook_in_a_used_kernel_says_restart():
         """
         import torch, torch_xla
         torch.ones(2, device=torch_xla.device())
-        from tpu_helpers.env import EnvironmentProblem, setup_notebook
+        from course.setup import setup_notebook
+        from tpu_helpers.env import EnvironmentProblem
         try:
             setup_notebook()
         except EnvironmentProblem as exc:
             print("PROBLEM:", exc)
         """
     )
-    assert f"PROBLEM: {env.RERUN_SENTENCE}" in proc.stdout
+    assert f"PROBLEM: {setup.RERUN_SENTENCE}" in proc.stdout
 
 
 def test_pop_kaggle_launcher_vars_is_guarded():
@@ -473,7 +503,7 @@ def test_setup_notebook_locally_installs_nothing():
         calls = []
         real_run = subprocess.run
         subprocess.run = lambda *a, **k: calls.append(a) or real_run(*a, **k)
-        from tpu_helpers.env import setup_notebook
+        from course.setup import setup_notebook
         rt = setup_notebook()
         rt2 = setup_notebook()  # idempotent
         print("CALLS", len(calls), rt.platform, rt == rt2, "torch" in sys.modules)

@@ -1,7 +1,10 @@
-"""The facts notebook 08 teaches, pinned as fast tests (the notebook asserts them too).
+"""The facts notebook 08 states, pinned as fast tests.
 
-If an upgrade of torch / torch_xla / Lightning changes one of these, this file says which
-claim in ``notebooks/08_myths_and_facts.ipynb`` needs rewriting.
+Notebook 08 asserts the claims that belong to it (backends, DDP, removed APIs) and links the
+others to the notebook that teaches them (its table "Myths corrected where they are taught":
+samplers and loaders in 02, recompiles in 05). Both kinds are pinned here, so if an upgrade of
+torch / torch_xla / Lightning changes one of them this file says which row or cell of
+``notebooks/08_myths_and_facts.ipynb`` needs rewriting.
 """
 
 from __future__ import annotations
@@ -43,14 +46,11 @@ def test_torch_xla_needs_neither_jax_nor_the_retired_tpu_node_client():
     assert not any(name in r for name in retired for r in reqs)
 
 
-def test_lightning_removed_argument_and_automatic_samplers():
-    import inspect
-
+def test_lightning_removed_argument():
     import lightning as L
 
     with pytest.raises(TypeError, match="tpu_cores"):  # removed in Lightning 2.0: the myth
         L.Trainer(tpu_cores=8)  # the myth: removed argument, a TypeError now
-    assert inspect.signature(L.Trainer).parameters["use_distributed_sampler"].default is True
 
 
 def test_six_items_on_eight_replicas():
@@ -59,6 +59,14 @@ def test_six_items_on_eight_replicas():
     assert sum(padded, []) == [0, 1, 2, 3, 4, 5, 0, 1]
     assert all(not list(DistributedSampler(range(6), num_replicas=8, rank=r, drop_last=True))
                for r in range(8))
+
+
+def test_lightning_inserts_distributed_samplers_by_default():
+    import inspect
+
+    import lightning as L
+
+    assert inspect.signature(L.Trainer).parameters["use_distributed_sampler"].default is True
 
 
 def test_parallel_loader_keeps_batch_size_and_count():
@@ -107,3 +115,29 @@ def test_gloo_leaves_xla_tensors_unreduced():
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert [r["cpu"] for r in results] == [[3.0] * 3, [3.0] * 3]
     assert [r["xla"] for r in results] == [[1.0] * 3, [2.0] * 3]  # silently not reduced
+
+
+def test_xla_compiles_once_per_shape_and_each_item_is_a_transfer():
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    def count(name):
+        xm.wait_device_ops()
+        data = met.metric_data(name)
+        return data[0] if data else 0
+
+    device = torch_xla.device()
+    w = torch.randn(16, 4).to(device)
+    batches = [torch.randn(rows, 16).to(device) for rows in (32, 32, 32, 31)]
+    torch_xla.sync()
+    met.clear_all()
+    losses = []
+    for b in batches:
+        losses.append((b @ w).relu().sum())
+        torch_xla.sync()
+    assert count("CompileTime") == 2  # 32 rows once, then the new shape (31 rows) once more
+    before = count("TransferFromDeviceTime")
+    _ = [loss.item() for loss in losses]
+    assert count("TransferFromDeviceTime") - before == len(losses)  # one per .item()

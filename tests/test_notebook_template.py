@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -52,11 +53,19 @@ def test_repo_url_lives_in_one_place():
 # ---------------------------------------------------------------- broken notebooks are caught
 
 
+#: A valid course block for fixture notebooks.
+COURSE_META = {"teaches": ["TPU layouts", "lazy execution"],
+               "devices": "One XLA:CPU device here; the TPU's devices on Colab or Kaggle.",
+               "budget_seconds": 60}
+
+
 @pytest.fixture
 def good(tmp_path: Path) -> Path:
-    """A conforming notebook (a copy of 00) in a folder of its own."""
+    """A conforming notebook (a copy of 00 with a valid course block) in a folder of its own."""
     dst = tmp_path / "00_environment.ipynb"
-    shutil.copy(REPO / "notebooks" / "00_environment.ipynb", dst)
+    nb = json.loads((REPO / "notebooks" / "00_environment.ipynb").read_text())
+    nb["metadata"][tpl.COURSE_KEY] = dict(COURSE_META)
+    dst.write_text(json.dumps(nb))
     assert tpl.check_notebook(dst) == []
     return dst
 
@@ -202,6 +211,7 @@ def test_missing_runtime_menu_line_is_caught(good):
 def test_write_restores_metadata_and_keeps_other_keys(good):
     def edit(nb):
         nb["metadata"] = {"kernelspec": nb["metadata"]["kernelspec"],
+                          tpl.COURSE_KEY: nb["metadata"][tpl.COURSE_KEY],
                           "colab": {"toc_visible": True},
                           "kaggle": {"accelerator": "none", "dockerImageVersionId": 30646}}
     assert _edit(good, edit)
@@ -210,6 +220,98 @@ def test_write_restores_metadata_and_keeps_other_keys(good):
     assert tpl.check_notebook(good) == []
     assert meta["colab"]["toc_visible"] is True and "kernelspec" in meta
     assert "dockerImageVersionId" not in meta["kaggle"]
+
+
+# ------------------------------------- per-notebook course metadata, the budget, the README table
+
+
+def test_missing_course_metadata_is_caught(good):
+    problems = _edit(good, lambda nb: nb["metadata"].pop(tpl.COURSE_KEY))
+    assert any(p.startswith(f"metadata.{tpl.COURSE_KEY} is missing") for p in problems)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("teaches", [], "teaches must be a non-empty list"),
+    ("teaches", "lazy execution", "teaches must be a non-empty list"),
+    ("teaches", ["ok", ""], "teaches must be a non-empty list"),
+    ("teaches", ["x" * 91], "teaches items over 90 characters"),
+    ("devices", "", "devices must be one sentence"),
+    ("devices", "TPU", "devices must be one sentence"),
+    ("devices", "One XLA:CPU device here, the TPU there", "devices must be one sentence"),
+    ("budget_seconds", 91, "budget_seconds must be an int from 1 to 90"),
+    ("budget_seconds", 60.0, "budget_seconds must be an int"),
+    ("budget_seconds", True, "budget_seconds must be an int"),
+    ("budget_seconds", None, "budget_seconds must be an int"),
+    ("extra", 1, "unknown keys ['extra']"),
+])
+def test_bad_course_metadata_is_caught(good, key, value, says):
+    def edit(nb):
+        nb["metadata"][tpl.COURSE_KEY][key] = value
+    problems = _edit(good, edit)
+    assert any(says in p for p in problems), problems
+
+
+def test_write_keeps_course_metadata(good):
+    assert tpl.main(["--write", str(good)]) == 0
+    meta = json.loads(good.read_text())["metadata"]
+    assert meta[tpl.COURSE_KEY] == COURSE_META
+
+
+def test_budget_comes_from_the_notebook(good, monkeypatch):
+    import notebook_budget
+
+    assert tpl.budget_seconds(good) == 60
+    _edit(good, lambda nb: nb["metadata"].pop(tpl.COURSE_KEY))
+    assert tpl.budget_seconds(good) == tpl.MAX_BUDGET_S == 90  # none: the template's 90 s
+    monkeypatch.delenv("TPU_NB_BUDGET", raising=False)
+    assert notebook_budget.budget_for(good) == 90
+    monkeypatch.setenv("TPU_NB_BUDGET", "600")  # a loaded machine: one override for all
+    assert notebook_budget.budget_for(good) == 600
+
+
+@pytest.mark.slow
+def test_a_notebook_over_its_budget_fails_the_test_run(tmp_path):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(2.5)")]
+    nb.metadata[tpl.COURSE_KEY] = {**COURSE_META, "budget_seconds": 1}
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python",
+                                 "name": "python3"}
+    nbformat.write(nb, tmp_path / "00_slow.ipynb")
+    env = {k: v for k, v in os.environ.items() if k != "TPU_NB_BUDGET"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "00_slow.ipynb", "--nbmake",
+                           "-p", "scripts.notebook_budget", "-p", "no:cacheprovider", "-q"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)  # nbmake colours its report
+    assert re.search(r"00_slow.ipynb ran \d+ s, over its 1 s budget", plain), plain[-3000:]
+
+
+def test_course_table_renders_each_notebook(good):
+    other = good.parent / "01_other.ipynb"
+    shutil.copy(good, other)
+    _edit(other, lambda nb: nb["metadata"].pop(tpl.COURSE_KEY))
+    rows = tpl.course_table(good.parent).splitlines()
+    title = json.loads(good.read_text())["cells"][0]["source"][0].removeprefix("# ").strip()
+    folder = good.parent.name
+    assert rows[0] == "| notebook | what it teaches | devices | budget |"
+    assert rows[2] == (f"| [{title}]({folder}/00_environment.ipynb) | TPU layouts; lazy "
+                       f"execution | {COURSE_META['devices']} | 60 s |")
+    assert rows[3].endswith(f"| (no valid {tpl.COURSE_KEY} metadata) | | |")
+    readme = good.parent / "README.md"
+    readme.write_text(f"# x\n\n{tpl.README_START}\nold\n{tpl.README_END}\n\nrest\n")
+    assert tpl.main(["--readme", str(readme), str(good.parent)]) == 1  # 01 lacks metadata
+    text = readme.read_text()
+    assert tpl.readme_table(text) == tpl.course_table(good.parent)
+    assert text.startswith("# x\n\n") and text.endswith("\n\nrest\n")
+
+
+def test_readme_course_table_is_generated_from_the_notebooks():
+    committed = tpl.readme_table((REPO / "README.md").read_text())
+    assert committed == tpl.course_table(REPO / "notebooks"), (
+        "run `python scripts/notebook_template.py --readme README.md`")
 
 
 # --------------------------------------------- the setup cell when tpu_helpers must be fetched
@@ -359,7 +461,7 @@ def test_notebook_00_run_twice_in_one_kernel_says_restart(monkeypatch):
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    from tpu_helpers.env import RERUN_SENTENCE
+    from course.setup import RERUN_SENTENCE
 
     monkeypatch.setenv("SMOKE", "1")
     nb = nbformat.read(REPO / "notebooks" / "00_environment.ipynb", as_version=4)

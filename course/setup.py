@@ -1,0 +1,373 @@
+"""The notebooks' setup cell: keep or install a matched torch / torch_xla set (course only).
+
+Every notebook's generated setup cell (``scripts/notebook_template.py``) calls
+:func:`setup_notebook`; ``notebooks/00_environment.ipynb`` explains what it does. It builds on
+the toolkit's ``tpu_helpers.env`` (runtime detection and :func:`tpu_helpers.env.version_fix`,
+the torch / torch_xla / libtpu decision) and adds what only the course needs: the platform's
+companions (torchvision, torchaudio, jax), the notebook packages, the pip run on Colab and
+Kaggle, and a check in a fresh process afterwards.
+
+:func:`plan_setup` decides, as pure data, what the setup installs on each platform;
+:func:`setup_notebook` carries the plan out and :func:`verify_environment` checks the result.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from tpu_helpers.env import (
+    CPU_INDEX,
+    KAGGLE_LAUNCHER_VARS,
+    EnvironmentProblem,
+    MatchedSet,
+    Runtime,
+    active_set,
+    detect_runtime,
+    install_command,
+    installed,
+    matched_set,
+    pip_command,
+    pop_kaggle_launcher_vars,
+    runtime_initialized,
+    tpu_chips,
+    version_fix,
+)
+
+#: Packages (distribution name -> pip requirement) the notebooks need beyond torch/torch_xla;
+#: installed on Colab/Kaggle only when missing.
+NOTEBOOK_PACKAGES = {
+    "lightning": "lightning==2.6.6",
+    "pandas": "pandas",
+    "matplotlib": "matplotlib",
+    "tqdm": "tqdm",
+    "pillow": "pillow",
+    "psutil": "psutil",
+}
+#: Libraries whose version must match torch, if the platform ships them: per supported line
+#: (``tpu_helpers.env.SUPPORTED``), the release built for that torch.
+COMPANION_VERSIONS = {"2.9": {"torchvision": "0.24.0", "torchaudio": "2.9.0"},
+                      "2.8": {"torchvision": "0.23.0", "torchaudio": "2.8.0"}}
+COMPANIONS = ("torchvision", "torchaudio")
+#: Every distribution :func:`plan_setup` looks at.
+TRACKED = ("torch", "torch-xla", "libtpu", *COMPANIONS, "jax", "jaxlib", *NOTEBOOK_PACKAGES)
+_HEAVY = ("torch", "torch-xla", "libtpu", *COMPANIONS)
+_PLATFORM_NAMES = {"colab": "Colab", "kaggle": "Kaggle", "tpu-vm": "this TPU VM",
+                   "local": "this machine"}
+#: Where to pick a TPU by hand when a notebook opened without one.
+TPU_MENUS = ("Colab: Runtime > Change runtime type > v5e-1 TPU; "
+             "Kaggle: Settings > Accelerator > TPU VM v5e-8, and Settings > Internet on")
+#: What the setup says when this kernel already used the XLA device in an earlier run.
+RERUN_SENTENCE = ("This kernel already started the XLA runtime in an earlier run and the notebook "
+                  "needs a fresh one: restart the kernel (Kernel > Restart; on Colab Runtime > "
+                  "Restart session) and run all.")
+
+
+def _norm(name: str) -> str:
+    return name.replace("_", "-").replace(".", "-").lower()
+
+
+def _base(version: str) -> str:
+    return version.split("+")[0]
+
+
+def installed_versions() -> dict[str, str | None]:
+    """Installed version (or None) of every distribution the setup looks at (metadata only)."""
+    importlib.invalidate_caches()
+    return {d: installed(d) for d in TRACKED}
+
+
+def _companion_command(comp: str, s: MatchedSet) -> str:
+    return pip_command([f"{comp}=={COMPANION_VERSIONS[s.name][comp]}+cpu"],
+                       ["--extra-index-url", CPU_INDEX])
+
+
+@dataclass
+class SetupPlan:
+    """What :func:`setup_notebook` will do, decided by :func:`plan_setup` (pure data)."""
+
+    target: MatchedSet
+    #: pip requirement strings, in install order (empty: install nothing).
+    install: list[str]
+    pip_args: list[str]
+    #: Plain words, printed before anything changes.
+    before: str
+    #: torch is imported in this kernel and would change: nothing is installed, restart first.
+    restart_needed: bool = False
+    #: One sentence per problem, each with its fix (raised where nothing is installed).
+    problems: list[str] = field(default_factory=list)
+    #: distribution -> (installed version or None, requirement that replaces it).
+    changes: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+    #: Things that stay wrong on purpose but are worth one line (e.g. a mismatched torchvision).
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def heavy(self) -> list[str]:
+        """The requirements among torch, torch_xla, libtpu, torchvision, torchaudio."""
+        return [req for dist, (_, req) in self.changes.items() if dist in _HEAVY]
+
+    @property
+    def command(self) -> str:
+        """The same install as one pip command to run by hand."""
+        reqs = self.install or [req for _, req in self.changes.values()]
+        return pip_command(reqs, self.pip_args)
+
+
+def _decide(inst: Mapping[str, str], has_tpu: bool
+            ) -> tuple[MatchedSet, dict[str, tuple[str | None, str]], list[str], list[str],
+                       list[str]]:
+    """:func:`plan_setup`'s decisions: ``(target, changes, reasons, kept, notes)``.
+
+    torch / torch_xla / libtpu as the toolkit decides (:func:`tpu_helpers.env.version_fix`);
+    companions follow torch only if installed, in install order after torch."""
+    torch_v, xla_v = inst.get("torch"), inst.get("torch-xla")
+    fix = version_fix(torch_v, xla_v, inst.get("libtpu"), has_tpu)
+    target, pair = fix.target, matched_set(torch_v, xla_v)
+    changes = {k: v for k, v in fix.changes.items() if k == "torch"}
+    notes: list[str] = []
+    for comp in COMPANIONS:
+        want, have = COMPANION_VERSIONS[target.name][comp], inst.get(comp)
+        if have is None or _base(have) == want:
+            continue
+        if pair is None:  # the set changes: the companion follows torch, as a CPU build
+            changes[comp] = (have, f"{comp}=={want}+cpu")
+        elif have != "?":
+            notes.append(f"{comp} {have} is not the {want} built for torch {target.torch}; it "
+                         f"is left alone (these notebooks do not use it); if you need it: "
+                         f"{_companion_command(comp, target)}")
+    changes.update({k: v for k, v in fix.changes.items() if k != "torch"})
+    kept = list(fix.kept)
+    for dist in ("jax", "jaxlib"):
+        if dist in inst:
+            shown = "(version not listed)" if inst[dist] == "?" else inst[dist]
+            warn = " (the notebooks do not use it; it may warn about the new libtpu)"
+            kept.append(f"{dist} {shown}" + (warn if "libtpu" in changes else ""))
+    return target, changes, list(fix.reasons), kept, notes
+
+
+def plan_setup(installed: Mapping[str, str | None], platform: str, has_tpu: bool,
+               torch_imported: bool) -> SetupPlan:
+    """Decide what the setup cell installs; pure (reads nothing, changes nothing).
+
+    ``installed`` maps distribution names (any spelling: ``torch_xla`` or ``torch-xla``) to
+    installed versions (None or absent: not installed; ``"?"``: installed, version unknown).
+    ``platform`` is colab, kaggle, tpu-vm or local: only Colab and Kaggle get installs; elsewhere
+    the plan only lists the problems with their fix.
+
+    Rules: a supported matched pair (with, on a TPU, a libtpu that fits it) installs nothing
+    heavy, only missing notebook packages. Otherwise it installs a matched CPU-build set of the
+    installed torch's line (2.8 or 2.9; else 2.9): ``torch==X+cpu`` from PyTorch's CPU index (never
+    a CUDA build), torchvision/torchaudio at their matching versions only if already installed,
+    torch_xla (``torch_xla[tpu]`` when the TPU's libtpu must come with it). libtpu and jax stay
+    unless the pair needs another libtpu. If torch is imported in the kernel and torch, torch_xla
+    or a companion must change, nothing is installed and the plan asks for a restart.
+    """
+    inst = {_norm(k): v for k, v in installed.items() if v}
+    target, changes, reasons, kept, notes = _decide(inst, has_tpu)
+    heavy = [req for _, req in changes.values()]
+    pip_args = ["--extra-index-url", CPU_INDEX] if any("+cpu" in r for r in heavy) else []
+    where = _PLATFORM_NAMES.get(platform, platform)
+    installs_here = platform in ("colab", "kaggle")
+    light = [req for dist, req in NOTEBOOK_PACKAGES.items() if dist not in inst]
+    restart = torch_imported and installs_here and any(
+        d in changes for d in ("torch", "torch-xla", *COMPANIONS))
+    manual = pip_command(heavy, pip_args)
+    problems = [f"{r}: run `{manual}` and restart the runtime." for r in reasons]
+    listing = ", ".join(f"{req.split('==')[0]} {old or '(none)'} -> {req.split('==')[1]}"
+                        for old, req in changes.values())
+    stay = f" Staying as they are: {'; '.join(kept)}." if kept else ""
+    if not installs_here:
+        before = (f"Nothing is installed on {where} (only on Colab and Kaggle)."
+                  + (f" To fix: {'; '.join(reasons)}: run `{manual}`." if reasons else ""))
+        return SetupPlan(target, [], pip_args, before, False, problems, changes, notes)
+    if restart:
+        why = "; ".join(reasons)
+        before = (f"{why[:1].upper() + why[1:]}, and torch is already imported in this "
+                  f"kernel, so nothing was changed: restart the runtime, then run this setup "
+                  f"cell first (it will install {listing}).")
+        return SetupPlan(target, [], pip_args, before, True, problems, changes, notes)
+    if changes:
+        before = (f"On {where}: {'; '.join(reasons)}. This installs the matched torch "
+                  f"{target.name} set: {listing}"
+                  + (f" (CPU builds from {CPU_INDEX}: a TPU host needs no CUDA)"
+                     if pip_args else "") + f".{stay}")
+    else:
+        before = f"On {where}: nothing heavy to install.{stay}"
+    if light:
+        before += f" Notebook packages it lacks: {', '.join(light)}."
+    return SetupPlan(target, heavy + light, pip_args, before, False, [], changes, notes)
+
+
+# --------------------------------------------------------------------------- verification
+
+_VERIFY = r'''
+import importlib.util, os, sys
+
+def check(name, what, fn):
+    if importlib.util.find_spec(name) is None:
+        return
+    print("START", name, flush=True)
+    try:
+        fn()
+    except BaseException as exc:
+        msg = (str(exc).strip().splitlines() or [""])[-1][:300]
+        print("FAIL", name, what, "|", type(exc).__name__ + (": " + msg if msg else ""), flush=True)
+    else:
+        print("OK", name, flush=True)
+
+def _torch():
+    import torch
+    assert torch.ones(2).add(1).sum().item() == 4.0
+
+def _torch_xla():
+    import torch, torch_xla
+    assert torch.ones(2, device=torch_xla.device()).add(1).cpu().sum().item() == 4.0
+
+def _torchvision():
+    import torch, torchvision
+    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]])
+    assert torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8]), 0.5).tolist() == [0]
+
+def _torchaudio():
+    import torch, torchaudio
+    assert torchaudio.functional.gain(torch.ones(1, 4), 0.0).shape == (1, 4)
+
+def _jax():
+    import jax
+    assert float(jax.numpy.ones(2).sum()) == 2.0
+
+check("torch", "torch.ones(2).add(1)", _torch)
+check("torch_xla", "torch.ones(2) on the XLA:CPU device", _torch_xla)
+check("torchvision", "torchvision.ops.nms on 2 boxes", _torchvision)
+check("torchaudio", "torchaudio.functional.gain", _torchaudio)
+check("jax", "jax.numpy.ones(2).sum() on CPU", _jax)
+'''
+
+
+def _verify_fix(lib: str, s: MatchedSet) -> str:
+    if lib in ("torch", "torch_xla"):
+        return f"run `{install_command(tpu_chips()[0] > 0, s.name)}` and restart the runtime"
+    if lib in COMPANIONS:
+        return (f"run `{_companion_command(lib, s)}` (the build for torch {s.torch}) or "
+                f"`pip uninstall -y {lib}` if you do not need it, then restart the runtime")
+    return (f"the notebooks do not use {lib}: `pip uninstall -y jax jaxlib`, or reinstall the "
+            "jax that matches this libtpu, then restart the runtime")
+
+
+def _failures(out: str, err: str, code: int) -> dict[str, str]:
+    """Read the check's START/OK/FAIL lines: library -> what failed."""
+    failed: dict[str, str] = {}
+    started = None
+    for line in out.splitlines():
+        word, _, rest = line.partition(" ")
+        if word == "START":
+            started = rest
+        elif word == "OK":
+            started = None
+        elif word == "FAIL":
+            name, _, why = rest.partition(" ")
+            failed[name] = why.replace(" | ", " failed: ", 1)
+            started = None
+    if started is not None:  # the process died inside a check (e.g. a crash while loading)
+        tail = (err.strip().splitlines() or ["no error message"])[-1][:300]
+        failed[started] = f"crashed the process (exit {code}): {tail}"
+    elif code != 0 and not failed:
+        failed["python"] = f"the check itself failed (exit {code}): {err.strip()[-300:]}"
+    return failed
+
+
+def verify_environment(extra_env: Mapping[str, str] | None = None,
+                       timeout: float = 600) -> list[str]:
+    """Import and run one op of torch, torch_xla and each companion present, in a fresh process.
+
+    Returns one sentence per library that failed, naming it and the fix (empty: all work).
+    The XLA op runs on the XLA:CPU device (``PJRT_DEVICE=CPU``), so it never holds the TPU;
+    jax runs with ``JAX_PLATFORMS=cpu``.
+    """
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu",
+           "TF_CPP_MIN_LOG_LEVEL": "2", **(extra_env or {})}
+    for k in KAGGLE_LAUNCHER_VARS:
+        env.pop(k, None)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _VERIFY], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        out, err, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err, code = f"no answer after {timeout:.0f} s", -1
+    s = active_set()
+    return [f"{lib}: {why}; fix: {_verify_fix(lib, s)}."
+            for lib, why in _failures(out, err, code).items()]
+
+
+# --------------------------------------------------------------------------- the setup cell
+
+
+def _pip(plan: SetupPlan) -> None:
+    """Run the plan's pip install; on failure raise with pip's error tail and the manual command."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                           "--disable-pip-version-check", *plan.pip_args, *plan.install],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])[-800:]
+        raise EnvironmentProblem(
+            f"pip failed, so the environment may be half changed and nothing was checked: {tail} "
+            f"Fix the cause (on Kaggle: Settings > Internet on), then run `{plan.command}`, "
+            "restart the runtime and run this setup cell again."
+        )
+
+
+def _install(plan: SetupPlan, rt: Runtime, before: dict[str, str | None]) -> None:
+    """Carry out an install plan, say what changed, and check the result (or raise)."""
+    print(plan.before, flush=True)
+    _pip(plan)
+    after = installed_versions()
+    changed = [f"{d} {before[d] or '-'} -> {after[d] or '-'}" for d in TRACKED
+               if before[d] != after[d]]
+    print("Changed: " + (", ".join(changed) if changed else "nothing"), flush=True)
+    if plan.heavy:
+        failures = verify_environment()
+        if failures:
+            raise EnvironmentProblem("After the install, " + " ".join(failures))
+    problems = plan_setup(after, rt.platform, rt.has_tpu, torch_imported=False).problems
+    if problems:
+        raise EnvironmentProblem("After the install, " + " ".join(problems))
+
+
+def setup_notebook(install: bool = True, quiet: bool = False) -> Runtime:
+    """The notebooks' setup cell: idempotent, quiet, and it never breaks the platform.
+
+    * Colab / Kaggle: keeps a supported matched torch / torch_xla pair (2.8 or 2.9; see
+      :func:`plan_setup`); otherwise installs a matched CPU-build set, saying what it will change
+      before and what changed after, then checks it in a fresh process
+      (:func:`verify_environment`). Installs missing notebook packages; pops Kaggle's launcher
+      variables (guarded).
+    * TPU VM / local: installs nothing; raises :class:`EnvironmentProblem` with the fix if
+      torch / torch_xla are missing or mismatched.
+    * A kernel that already used the XLA device (a second "run all") is told to restart.
+    """
+    if runtime_initialized():
+        raise EnvironmentProblem(RERUN_SENTENCE)
+    rt = detect_runtime()
+    if rt.platform == "kaggle":
+        pop_kaggle_launcher_vars()
+    before = installed_versions()
+    plan = plan_setup(before, rt.platform, rt.has_tpu, torch_imported="torch" in sys.modules)
+    if not install or rt.platform not in ("colab", "kaggle"):
+        if plan.problems:
+            raise EnvironmentProblem(" ".join(plan.problems))
+    elif plan.restart_needed:
+        raise EnvironmentProblem(plan.before)
+    elif plan.install:
+        _install(plan, rt, before)
+    for note in plan.notes:
+        print(f"Note: {note}")
+    if not quiet:
+        print(f"{rt.summary()}. torch {installed('torch')}, torch_xla {installed('torch_xla')}.")
+        if rt.platform in ("colab", "kaggle") and not rt.has_tpu:
+            print(f"No TPU attached; to get one: {TPU_MENUS}.")
+    return rt
