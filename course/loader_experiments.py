@@ -224,6 +224,53 @@ def spmd_loader_demo(batch_size: int = 64, steps: int = 5) -> dict[str, Any]:
             "loss": float(loss.item())}
 
 
+def parallel_loader_deal_demo(batches: int = 10, batch_size: int = 4) -> dict[str, Any]:
+    """In THIS process: ``pl.ParallelLoader(loader, devices)`` over every device this
+    process addresses, for a loader of ``batches`` batches whose rows hold their batch
+    number. Returns, per device, the batch numbers its ``per_device_loader`` yielded, and
+    ``len()`` of one per-device loader. Run it in a fresh process with several devices
+    (:func:`run_parallel_loader_deal_demo`)."""
+    import torch_xla
+    import torch_xla.distributed.parallel_loader as pl
+    from torch.utils.data import DataLoader
+
+    devices = torch_xla.devices()
+    rows = torch.arange(batches * batch_size) // batch_size  # each row: its batch number
+    loader = DataLoader(rows, batch_size=batch_size)
+    parallel = pl.ParallelLoader(loader, devices)
+    got = {str(d): [int(b[0].item()) for b in parallel.per_device_loader(d)] for d in devices}
+    return {"devices": len(devices), "batches": len(loader), "per_device": got,
+            "len_per_device_loader": len(parallel.per_device_loader(devices[0]))}
+
+
+def _run_fresh(args: list[str], num_devices: int, timeout: float) -> dict[str, Any]:
+    """``python -m course.loader_experiments *args`` on ``num_devices`` virtual XLA:CPU
+    devices; its last stdout line, parsed as JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(num_devices),
+           "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1")}
+    for var in ("TPU_ACCELERATOR_TYPE", "TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "course.loader_experiments", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the demo process failed (exit {proc.returncode}):\n"
+                           + proc.stderr[-3000:])
+    return json.loads(lines[-1])
+
+
+def run_parallel_loader_deal_demo(num_devices: int = 4, batches: int = 10,
+                                  timeout: float = 300) -> dict[str, Any]:
+    """:func:`parallel_loader_deal_demo` in a fresh Python with ``num_devices`` virtual
+    XLA:CPU devices (always XLA:CPU: on a TPU machine the kernel holds the chips)."""
+    return _run_fresh(["--deal-demo", "--batches", str(batches)], num_devices, timeout)
+
+
 def run_spmd_loader_demo(batch_size: int = 64, num_devices: int = 4, steps: int = 5,
                          timeout: float = 300) -> dict[str, Any]:
     """Run :func:`spmd_loader_demo` in a fresh Python on ``num_devices`` virtual XLA:CPU
@@ -234,32 +281,22 @@ def run_spmd_loader_demo(batch_size: int = 64, num_devices: int = 4, steps: int 
     XLA:CPU, also on a TPU machine, where the kernel holds the chips: the shard shapes are
     the same on a TPU. Raises RuntimeError with the child's stderr if it fails.
     """
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(num_devices),
-           "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1")}
-    for var in ("TPU_ACCELERATOR_TYPE", "TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "course.loader_experiments", "--spmd-demo",
-           "--batch-size", str(batch_size), "--steps", str(steps)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"the SPMD demo process failed (exit {proc.returncode}):\n"
-                           + proc.stderr[-3000:])
-    return json.loads(lines[-1])
+    return _run_fresh(["--spmd-demo", "--batch-size", str(batch_size), "--steps", str(steps)],
+                      num_devices, timeout)
 
 
 if __name__ == "__main__":
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(description="Run the SPMD input-sharding demo in this process.")
-    ap.add_argument("--spmd-demo", action="store_true", required=True)
+    ap = argparse.ArgumentParser(description="Run a loader demo in this process.")
+    ap.add_argument("--spmd-demo", action="store_true")
+    ap.add_argument("--deal-demo", action="store_true")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batches", type=int, default=10)
     args = ap.parse_args()
-    print(json.dumps(spmd_loader_demo(args.batch_size, args.steps)))
+    if args.deal_demo:
+        print(json.dumps(parallel_loader_deal_demo(args.batches)))
+    else:
+        print(json.dumps(spmd_loader_demo(args.batch_size, args.steps)))
