@@ -7,7 +7,7 @@ train = [i for r in range(2) for i in make_train_loader(ds, 5, world_size=2, ran
 assert sorted(train) == list(range(50))  # 25 each: every index exactly once
 seen = []
 for r in range(2):
-    for x, y, index, mask in make_eval_loader(ds, 8, world_size=2, rank=r):
+    for x, _y, index, mask in make_eval_loader(ds, 8, world_size=2, rank=r):
         assert x.shape == (8, 3) and (index[~mask] == -1).all()
         seen += index[mask].tolist()
 assert sorted(seen) == list(range(50))  # 4 batches of 8 per replica, 14 rows padding
