@@ -1,10 +1,12 @@
-"""The course's datasets (course only): the digits shipped with the repository, a labelled
-CSV of image files, a tabular CSV; every bad line is a DataError naming file and line."""
+"""The course's datasets (course only; taught in ``notebooks/01_dataset_setup.ipynb``): the
+digits shipped with the repository, a labelled CSV of image files, a tabular CSV. Every bad
+line is a :class:`tpu_helpers.data.DataError` naming file and line."""
 
 from __future__ import annotations
 
 import csv
 import functools
+import importlib.util
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,20 +15,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from tpu_helpers.data import DataError
 
 #: Mean and standard deviation of ``png / 255`` over the digits training split.
 DIGITS_MEAN = 0.3054
-
-
 DIGITS_STD = 0.3760
-
-
 NUM_DIGIT_CLASSES = 10
-
-
 SPLITS = ("train", "test")
 
 
@@ -56,8 +53,6 @@ def data_dir() -> Path:
     repo = Path(__file__).resolve().parent.parent / "data"
     if repo.is_dir():
         return repo
-    import importlib.util
-
     spec = importlib.util.find_spec("tpu_notebooks_data")
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
@@ -75,8 +70,6 @@ def decode_image(path: str | Path, size: tuple[int, int] | None = (8, 8),
     declares more pixels than PIL's ``Image.MAX_IMAGE_PIXELS`` (a decompression bomb).
     Mode, size and pixel count are checked from the header, before any pixel is decoded.
     """
-    from PIL import Image, UnidentifiedImageError
-
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found.")
@@ -98,8 +91,6 @@ def decode_image(path: str | Path, size: tuple[int, int] | None = (8, 8),
 def _check_image_header(path: Path, im: Any, size: tuple[int, int] | None,
                         mode: str | None) -> None:
     """Mode, size and pixel count as declared by the file, before decoding anything."""
-    from PIL import Image
-
     (w, h), limit = im.size, Image.MAX_IMAGE_PIXELS
     if limit and w * h > limit:  # PIL only warns up to 2x its limit, then decodes it all
         raise DataError(f"{path}: image size {h}x{w} (HxW) is {w * h} pixels, more than "
@@ -150,8 +141,6 @@ def _read_csv(path: Path, **read_csv: Any) -> tuple[pd.DataFrame, np.ndarray]:
     whitespace-only) lines are skipped, as pandas does, but counted, so every message
     names the line a user sees in an editor.
     """
-    import pandas as pd
-
     lines = _data_lines(path)
     try:
         table = pd.read_csv(path, **read_csv)
@@ -193,8 +182,6 @@ def _integer_labels(column: pd.Series, lines: np.ndarray, path: Path, name: str
                     ) -> np.ndarray:
     """``column`` as int64 (``3.0`` is 3); :class:`DataError` naming the line of the
     first missing, non-numeric or non-integral value."""
-    import pandas as pd
-
     if column.dtype.kind in "iu":
         return column.to_numpy(np.int64)
     values = pd.to_numeric(column, errors="coerce").to_numpy(np.float64)
@@ -290,8 +277,6 @@ class ImageFolderDataset(Dataset):
 
 @functools.lru_cache(maxsize=8)
 def _digits_arrays(folder: str, stamp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    import pandas as pd
-
     ds = ImageFolderDataset(folder, verify=False)  # to_arrays decodes (and checks) each file
     images, labels = ds.to_arrays()
     split = pd.read_csv(Path(folder) / "labels.csv", usecols=["split"])["split"].to_numpy()
@@ -386,8 +371,6 @@ def _numeric_features(table: pd.DataFrame, cols: list[str], lines: np.ndarray,
                       path: Path) -> np.ndarray:
     """``table[cols]`` as float32; :class:`DataError` naming the line of the first
     non-numeric, missing, NaN or infinite value."""
-    import pandas as pd
-
     for c in cols:
         if table[c].dtype.kind not in "iuf":
             bad = (pd.to_numeric(table[c], errors="coerce").isna() & table[c].notna())

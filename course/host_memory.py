@@ -20,6 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pandas as pd
+import psutil
 
 MB = 1024 * 1024
 
@@ -37,8 +39,6 @@ def touch_all(data: Any) -> float:
 
 
 def _worker(build: Callable[[], Any] | None, shared: Any, barrier: Any, queue: Any) -> None:
-    import psutil
-
     try:
         data = build() if build is not None else shared
         touch_all(data)
@@ -84,3 +84,18 @@ def forked_memory(build: Callable[[], Any], *, before_fork: bool, processes: int
     if bad:
         raise RuntimeError(f"memory workers exited with codes {bad}")
     return sorted(rows, key=lambda r: r["pid"])
+
+
+def memory_table(experiments: dict[str, tuple[Callable[[], Any], bool]],
+                 processes: int) -> Any:
+    """One row per experiment ``name: (build, before_fork)``: the mean RSS, USS and PSS
+    (MB) of its ``processes`` workers, and ``uss_extra_mb``: USS above the first row's
+    (the baseline: a worker holding no dataset)."""
+    rows = {}
+    for name, (build, before_fork) in experiments.items():
+        per_process = pd.DataFrame(forked_memory(build, before_fork=before_fork,
+                                                 processes=processes))
+        rows[name] = per_process[["rss_mb", "uss_mb", "pss_mb"]].mean()
+    table = pd.DataFrame(rows).T
+    table["uss_extra_mb"] = table.uss_mb - table.uss_mb.iloc[0]
+    return table

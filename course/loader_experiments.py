@@ -1,22 +1,37 @@
-"""Loader experiments for notebook 02 (course only): the naive loop, the device loader and the
-on-device ceiling timed side by side, and the SPMD input-sharding demo."""
+"""Loader experiments for ``notebooks/02_parallel_loader.ipynb`` (course only): the naive loop,
+the device loader and the on-device ceiling timed side by side (``benchmarks/bench_loader.py``
+too), the several-device ParallelLoader and the SPMD input-sharding demos."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.distributed.parallel_loader as pl
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+from torch.utils.data import DataLoader
 
+from course.datasets import load_digits
+from course.models import DigitsCNN
+from tpu_helpers.data import ArrayDataset
 from tpu_helpers.device_loader import Step, StrictDeviceLoader
+from tpu_helpers.metrics import snapshot, track
+from tpu_helpers.spmd import device_mesh
 
 
 @dataclass(frozen=True)
 class LoopTiming:
     """One timed loop: steps, wall seconds, and what XLA did meanwhile."""
-
     name: str
     steps: int
     seconds: float
@@ -43,10 +58,6 @@ class LoopTiming:
 
 def time_loop(name: str, run: Callable[[], int]) -> LoopTiming:
     """Run ``run()`` (which returns its step count) and time it, device work included."""
-    import torch_xla.core.xla_model as xm
-
-    from tpu_helpers.metrics import snapshot
-
     xm.wait_device_ops()
     before, start = snapshot(), time.perf_counter()
     steps = run()
@@ -58,8 +69,6 @@ def time_loop(name: str, run: Callable[[], int]) -> LoopTiming:
 
 def naive_loop(loader: Iterable, step: Step, device: Any, max_steps: int | None = None) -> int:
     """What most first TPU loops look like: copy each batch, step, sync. Returns steps."""
-    import torch_xla
-
     steps = 0
     for x, y, *_ in loader:
         x, y = x.to(device), y.to(device)  # blocks the loop while the batch is copied
@@ -74,8 +83,6 @@ def naive_loop(loader: Iterable, step: Step, device: Any, max_steps: int | None 
 def device_loader_loop(loader: Iterable, step: Step, device: Any,
                        max_steps: int | None = None, **loader_kwargs: Any) -> int:
     """The same step fed by MpDeviceLoader (via :class:`StrictDeviceLoader`). Returns steps."""
-    import torch_xla
-
     steps = 0
     for x, y, *_ in StrictDeviceLoader(loader, device, **loader_kwargs):
         step(x, y)  # no sync here: the loader calls torch_xla.sync() before each batch
@@ -88,8 +95,6 @@ def device_loader_loop(loader: Iterable, step: Step, device: Any,
 
 def on_device_loop(batches: list[tuple[torch.Tensor, ...]], step: Step) -> int:
     """The ceiling: the same step on batches already on the device. Returns steps."""
-    import torch_xla
-
     for x, y, *_ in batches:
         step(x, y)
         torch_xla.sync()
@@ -117,10 +122,6 @@ def warm_up(step: Step, batch: tuple[torch.Tensor, ...], device: Any, max_steps:
     A training step usually compiles twice: the first step has no gradients yet (the graph
     creates them), every later step updates existing ones.
     """
-    import torch_xla
-
-    from tpu_helpers.metrics import snapshot
-
     x, y = batch[0].to(device), batch[1].to(device)
     for n in range(1, max_steps + 1):
         before = snapshot().compiles
@@ -174,18 +175,6 @@ def spmd_loader_demo(batch_size: int = 64, steps: int = 5) -> dict[str, Any]:
     (:func:`run_spmd_loader_demo` does): SPMD must be switched on before anything else
     touches the XLA device.
     """
-    import torch_xla
-    import torch_xla.distributed.parallel_loader as pl
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
-    from torch.utils.data import DataLoader
-
-    from course.datasets import load_digits
-    from course.models import DigitsCNN
-    from tpu_helpers.data import ArrayDataset
-    from tpu_helpers.metrics import track
-    from tpu_helpers.spmd import device_mesh
-
     if steps < 3:
         raise ValueError(f"steps must be >= 3 (two warm-up steps and later ones), got {steps}")
     xr.use_spmd()  # first, before any tensor touches the device
@@ -224,6 +213,44 @@ def spmd_loader_demo(batch_size: int = 64, steps: int = 5) -> dict[str, Any]:
             "loss": float(loss.item())}
 
 
+def parallel_loader_deal_demo(batches: int = 10, batch_size: int = 4) -> dict[str, Any]:
+    """In THIS process: ``pl.ParallelLoader(loader, devices)`` over every device this
+    process addresses, for a loader of ``batches`` batches whose rows hold their batch
+    number. Returns, per device, the batch numbers its ``per_device_loader`` yielded, and
+    ``len()`` of one per-device loader. Run it in a fresh process with several devices
+    (:func:`run_parallel_loader_deal_demo`)."""
+    devices = torch_xla.devices()
+    rows = torch.arange(batches * batch_size) // batch_size  # each row: its batch number
+    loader = DataLoader(rows, batch_size=batch_size)
+    parallel = pl.ParallelLoader(loader, devices)
+    got = {str(d): [int(b[0].item()) for b in parallel.per_device_loader(d)] for d in devices}
+    return {"devices": len(devices), "batches": len(loader), "per_device": got,
+            "len_per_device_loader": len(parallel.per_device_loader(devices[0]))}
+
+
+def _run_fresh(args: list[str], num_devices: int, timeout: float) -> dict[str, Any]:
+    """``python -m course.loader_experiments *args`` on ``num_devices`` virtual XLA:CPU
+    devices; its last stdout line, parsed as JSON."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(num_devices),
+           "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1")}
+    for var in ("TPU_ACCELERATOR_TYPE", "TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "course.loader_experiments", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the demo process failed (exit {proc.returncode}):\n"
+                           + proc.stderr[-3000:])
+    return json.loads(lines[-1])
+
+
+def run_parallel_loader_deal_demo(num_devices: int = 4, batches: int = 10,
+                                  timeout: float = 300) -> dict[str, Any]:
+    """:func:`parallel_loader_deal_demo` in a fresh Python with ``num_devices`` virtual
+    XLA:CPU devices (always XLA:CPU: on a TPU machine the kernel holds the chips)."""
+    return _run_fresh(["--deal-demo", "--batches", str(batches)], num_devices, timeout)
+
+
 def run_spmd_loader_demo(batch_size: int = 64, num_devices: int = 4, steps: int = 5,
                          timeout: float = 300) -> dict[str, Any]:
     """Run :func:`spmd_loader_demo` in a fresh Python on ``num_devices`` virtual XLA:CPU
@@ -234,32 +261,21 @@ def run_spmd_loader_demo(batch_size: int = 64, num_devices: int = 4, steps: int 
     XLA:CPU, also on a TPU machine, where the kernel holds the chips: the shard shapes are
     the same on a TPU. Raises RuntimeError with the child's stderr if it fails.
     """
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(num_devices),
-           "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1")}
-    for var in ("TPU_ACCELERATOR_TYPE", "TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "course.loader_experiments", "--spmd-demo",
-           "--batch-size", str(batch_size), "--steps", str(steps)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"the SPMD demo process failed (exit {proc.returncode}):\n"
-                           + proc.stderr[-3000:])
-    return json.loads(lines[-1])
+    return _run_fresh(["--spmd-demo", "--batch-size", str(batch_size), "--steps", str(steps)],
+                      num_devices, timeout)
 
 
 if __name__ == "__main__":
     import argparse
-    import json
 
-    ap = argparse.ArgumentParser(description="Run the SPMD input-sharding demo in this process.")
-    ap.add_argument("--spmd-demo", action="store_true", required=True)
+    ap = argparse.ArgumentParser(description="Run a loader demo in this process.")
+    ap.add_argument("--spmd-demo", action="store_true")
+    ap.add_argument("--deal-demo", action="store_true")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batches", type=int, default=10)
     args = ap.parse_args()
-    print(json.dumps(spmd_loader_demo(args.batch_size, args.steps)))
+    if args.deal_demo:
+        print(json.dumps(parallel_loader_deal_demo(args.batches)))
+    else:
+        print(json.dumps(spmd_loader_demo(args.batch_size, args.steps)))

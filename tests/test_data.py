@@ -93,6 +93,26 @@ def test_train_loader_fixed_shapes_sharding_and_set_epoch():
     assert len(seen) == 1440 and set(seen) == set(range(1437))
 
 
+def test_train_loader_is_the_loader_a_user_writes():
+    """make_train_loader == DataLoader(ds, batch, sampler=DistributedSampler(...),
+    drop_last=True): the same batches for every rank and epoch (notebook 01 shows it)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    x, y = DS.load_digits("test")
+    ds = D.ArrayDataset(x, y, 10)
+    for world_size in (1, 3):
+        for rank in range(world_size):
+            sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, seed=5)
+            mine = DataLoader(ds, batch_size=16, sampler=sampler, drop_last=True)
+            toolkit = D.make_train_loader(ds, 16, world_size=world_size, rank=rank, seed=5)
+            for epoch in (0, 2):
+                sampler.set_epoch(epoch)
+                toolkit.sampler.set_epoch(epoch)
+                pairs = list(zip(mine, toolkit, strict=True))
+                assert pairs and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                                     for a, b in pairs)
+
+
 def test_train_loader_too_small_is_clear_and_eval_still_works():
     ds = D.ArrayDataset(np.zeros((6, 3), np.float32), np.arange(6) % 2)
     with pytest.raises(D.DataError, match=r"6 samples over 8 replica\(s\).*batch of 2"):

@@ -137,6 +137,16 @@ def test_spmd_input_sharding_splits_the_global_batch_in_a_fresh_process():
     assert out["compiles_later_steps"] == 0
 
 
+def test_parallel_loader_deals_batches_over_several_devices_of_one_process():
+    """ParallelLoader(loader, devices): batch i to devices[i % n]; an incomplete last
+    round is dropped (notebook 02, 2.3)."""
+    from course.loader_experiments import run_parallel_loader_deal_demo
+
+    out = run_parallel_loader_deal_demo(num_devices=3, batches=7)
+    assert out["devices"] == 3 and out["len_per_device_loader"] == 2
+    assert list(out["per_device"].values()) == [[0, 3], [1, 4], [2, 5]]
+
+
 def test_array_dataset_batched_fetch_matches_per_item():
     x = np.arange(40, dtype=np.float32).reshape(10, 4)
     ds = D.ArrayDataset(x, np.arange(10) % 3)

@@ -1,47 +1,35 @@
-"""Datasets that feed a TPU well: checked on the host, fixed shapes, sharded exactly once.
+"""Replica data loading for XLA: fixed batch shapes, each sample once, bad items named.
 
-Taught in ``notebooks/01_dataset_setup.ipynb``; ``notebooks/02_parallel_loader.ipynb``
-wraps these loaders in ``MpDeviceLoader``; notebooks 03-06 and the benchmarks load the
-shipped digits with :func:`load_digits`.
+Taught in ``notebooks/01_dataset_setup.ipynb`` (the loaders, written there by hand first)
+and ``notebooks/02_parallel_loader.ipynb`` (wrapped in ``MpDeviceLoader``). Copy this file
+alone: it needs torch and numpy (torch_xla only when ``world_size``/``rank`` are omitted).
 
-* Data: :func:`data_dir` (the repo's ``data/`` or ``$TPU_NB_DATA``), :func:`load_digits`
-  (the shipped 8x8 digits as arrays), :func:`load_tabular_csv` (a CSV read with pandas),
-  :class:`ImageFolderDataset` (PNG/JPEG files decoded with PIL, the seed article's
-  ``CustomImageDataset`` done right), :class:`ArrayDataset` (in-memory numpy storage that
-  forked processes share instead of copying).
-* Fixed shapes: :func:`make_train_loader` (``DistributedSampler`` + ``drop_last``) and
-  :func:`make_eval_loader` (padding rows with ``index`` and ``mask``, planned by the pure
-  :func:`eval_shard_indices`), so XLA compiles one graph and every replica runs the same
-  number of steps.
+* :class:`ArrayDataset`: in-memory samples, one numpy array per field (forked processes
+  share the pages), checked with :func:`check_finite` and :func:`check_labels`.
+* :func:`make_train_loader`: ``DistributedSampler`` per replica + ``drop_last``: every
+  step has ``batch_size`` rows (the per-replica batch), every replica as many steps.
+* :func:`make_eval_loader`: batches ``(x, y, index, mask)``, the last one padded with rows
+  whose index is ``-1`` and mask False (:class:`PaddedEvalDataset`, planned by the pure
+  :func:`eval_shard_indices`), so each dataset index is scored exactly once.
 
-Every check raises :class:`DataError` (a ``ValueError``) naming the file, line or index,
-on the host, before anything is sent to the XLA device. Importing this module does not
-touch the XLA device; only the loader functions called without ``world_size``/``rank``
-ask ``torch_xla.runtime`` for them.
+Every check raises :class:`DataError` (a ``ValueError``) naming the row or dataset index,
+on the host; the collates name an odd item's dataset index instead of torch.stack's
+"stack expects each tensor to be equal size". Importing this module imports no torch_xla.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
-if TYPE_CHECKING:
-    pass
-
 
 class DataError(ValueError):
     """Bad input data, explained in one sentence that names the file, line or index."""
-
-
-# --------------------------------------------------------------------------- where
-
-
-# --------------------------------------------------------------------------- checks
 
 
 def check_finite(features: np.ndarray, source: str = "features") -> None:
@@ -51,10 +39,8 @@ def check_finite(features: np.ndarray, source: str = "features") -> None:
     bad = ~np.isfinite(features.reshape(len(features), -1)).all(axis=1)
     if bad.any():
         rows = np.flatnonzero(bad)
-        raise DataError(
-            f"{source}: row {rows[0]} has NaN or infinite values "
-            f"({len(rows)} bad row(s), first ones: {rows[:5].tolist()})."
-        )
+        raise DataError(f"{source}: row {rows[0]} has NaN or infinite values "
+                        f"({len(rows)} bad row(s), first ones: {rows[:5].tolist()}).")
 
 
 def check_labels(labels: np.ndarray, num_classes: int | None, source: str = "labels") -> None:
@@ -63,8 +49,7 @@ def check_labels(labels: np.ndarray, num_classes: int | None, source: str = "lab
         raise DataError(f"{source}: labels must be one-dimensional, got shape {labels.shape}.")
     if labels.dtype.kind not in "iu":
         raise DataError(f"{source}: labels must be integers, got dtype {labels.dtype}.")
-    low = 0
-    bad = labels < low
+    bad = labels < 0
     if num_classes is not None:
         bad |= labels >= num_classes
     if bad.any():
@@ -75,27 +60,20 @@ def check_labels(labels: np.ndarray, num_classes: int | None, source: str = "lab
 
 def _stack_rows(rows: Any, what: str) -> np.ndarray:
     """np.asarray that names the first ragged row instead of numpy's generic message."""
-    if isinstance(rows, np.ndarray):
-        return rows
     if isinstance(rows, torch.Tensor):
         return rows.detach().cpu().numpy()
-    if isinstance(rows, Sequence) and not isinstance(rows, str | bytes):
-        if len(rows) and all(isinstance(r, Sequence | np.ndarray | torch.Tensor) for r in rows):
-            first = np.shape(rows[0])
-            for i, r in enumerate(rows):
-                try:
-                    shape = np.shape(r)
-                except ValueError:  # the row itself is ragged
-                    shape = None
-                if shape != first:
-                    raise DataError(
-                        f"{what}: row {i} has shape {shape}, row 0 has {first} "
-                        "(ragged rows; every sample must have the same shape)."
-                    )
+    if (isinstance(rows, Sequence) and not isinstance(rows, str | bytes) and len(rows)
+            and all(isinstance(r, Sequence | np.ndarray | torch.Tensor) for r in rows)):
+        first = np.shape(rows[0])
+        for i, r in enumerate(rows):
+            try:
+                shape = np.shape(r)
+            except ValueError:  # the row itself is ragged
+                shape = None
+            if shape != first:
+                raise DataError(f"{what}: row {i} has shape {shape}, row 0 has {first} "
+                                "(ragged rows; every sample must have the same shape).")
     return np.asarray(rows)
-
-
-# --------------------------------------------------------------------------- arrays
 
 
 class ArrayDataset(Dataset):
@@ -103,14 +81,13 @@ class ArrayDataset(Dataset):
 
     Storage stays numpy (one buffer, no per-sample Python objects), so processes forked
     after building it share the pages instead of copying them (notebook 01 measures it).
-    ``x`` is returned as a tensor view of that buffer; the DataLoader's collate copies
-    it into the batch. Checks on construction: same length, not empty, same shape for
-    every row, finite features, integer labels (in ``0..num_classes-1`` if given).
+    Checked on construction: same length, not empty, same shape for every row, finite
+    features, integer labels (in ``0..num_classes-1`` if given). Floats become float32,
+    integer labels int64.
     """
 
     def __init__(self, images: Any, labels: Any, num_classes: int | None = None) -> None:
-        x = _stack_rows(images, "images")
-        y = _stack_rows(labels, "labels")
+        x, y = _stack_rows(images, "images"), _stack_rows(labels, "labels")
         if len(x) == 0:
             raise DataError("ArrayDataset: the dataset is empty (0 samples).")
         if len(x) != len(y):
@@ -121,8 +98,7 @@ class ArrayDataset(Dataset):
             y = y.astype(np.int64)
         check_finite(x, "ArrayDataset images")
         check_labels(y, num_classes, "ArrayDataset labels")
-        self.images = x
-        self.labels = y
+        self.images, self.labels = x, y
 
     def __len__(self) -> int:
         return len(self.images)
@@ -131,22 +107,16 @@ class ArrayDataset(Dataset):
         return torch.from_numpy(self.images[index]), torch.tensor(self.labels[index])
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A whole batch with one numpy gather (the DataLoader uses it when present):
-        about 2.5x less host time per batch than 64 ``__getitem__`` calls."""
+        """A whole batch with one numpy gather (the DataLoader uses it when present)."""
         rows = np.asarray(indices, dtype=np.int64)
-        x = torch.from_numpy(self.images[rows])
-        y = torch.from_numpy(self.labels[rows])
+        x, y = torch.from_numpy(self.images[rows]), torch.from_numpy(self.labels[rows])
         return list(zip(x.unbind(0), y.unbind(0), strict=True))
-
-
-# --------------------------------------------------------------------------- files
-
-
-# --------------------------------------------------------------------------- loaders
 
 
 def _replica(world_size: int | None, rank: int | None) -> tuple[int, int]:
     if world_size is None or rank is None:
+        # Deferred: importing this module must not import torch_xla (DataLoader workers
+        # and CPU-only processes use it); asking the runtime reads the launched world.
         import torch_xla.runtime as xr
 
         world_size = xr.world_size() if world_size is None else world_size
@@ -173,19 +143,20 @@ def train_steps_per_epoch(n: int, batch_size: int, world_size: int) -> int:
 def make_train_loader(dataset: Dataset, batch_size: int, *, world_size: int | None = None,
                       rank: int | None = None, seed: int = 0,
                       num_workers: int = 0) -> DataLoader:
-    """A training DataLoader with one fixed batch shape, sharded across replicas.
+    """This replica's training DataLoader: ``batch_size`` rows per step, sharded.
 
-    ``DistributedSampler(num_replicas=world_size, rank=rank, shuffle=True, seed=seed)``
-    (defaults ``xr.world_size()`` / ``xr.global_ordinal()``) gives every replica
-    ``ceil(N / world_size)`` indices (repeating a few to make it divide), and
-    ``drop_last=True`` drops the partial last batch, so every step has exactly
-    ``batch_size`` rows and every replica runs the same number of steps. Call
-    ``loader.sampler.set_epoch(epoch)`` each epoch for a new shuffle.
+    ``batch_size`` is the PER-REPLICA batch (the global batch is ``batch_size *
+    world_size``). The loader is the one you would write::
 
-    Batches are ``default_collate``'s, after a check that every item has the shapes and
-    dtypes of the batch's first one (:class:`DataError` naming both dataset indices).
-    ``loader.dataset`` is a thin wrapper that remembers the indices (``.dataset`` is
-    yours). Raises :class:`DataError` if a replica cannot get one full batch.
+        sampler = DistributedSampler(dataset, num_replicas=xr.world_size(),
+                                     rank=xr.global_ordinal(), shuffle=True, seed=seed)
+        DataLoader(dataset, batch_size, sampler=sampler, drop_last=True)
+
+    (``world_size``/``rank`` default to those two calls) plus a collate that names the
+    dataset index of an item whose shape or dtype differs from the batch's first. Each
+    replica gets ``ceil(N / world_size)`` indices (a few repeated to make it divide) and
+    drops its partial last batch. Call ``loader.sampler.set_epoch(epoch)`` every epoch.
+    Raises :class:`DataError` if a replica cannot fill one batch.
     """
     ws, rk = _replica(world_size, rank)
     n = len(dataset)
@@ -196,8 +167,7 @@ def make_train_loader(dataset: Dataset, batch_size: int, *, world_size: int | No
             f"training set too small: {n} samples over {ws} replica(s) gives each "
             f"{per_replica} sample(s), fewer than one batch of {batch_size}; use "
             f"batch_size <= {per_replica}, more data, or fewer replicas "
-            "(evaluation still works: make_eval_loader pads and masks)."
-        )
+            "(evaluation still works: make_eval_loader pads and masks).")
     sampler = DistributedSampler(dataset, num_replicas=ws, rank=rk, shuffle=True, seed=seed)
     return DataLoader(_IndexedItems(dataset), batch_size=batch_size, sampler=sampler,
                       drop_last=True, num_workers=num_workers, collate_fn=_collate_train)
@@ -206,11 +176,9 @@ def make_train_loader(dataset: Dataset, batch_size: int, *, world_size: int | No
 def eval_shard_indices(n: int, batch_size: int, world_size: int, rank: int) -> np.ndarray:
     """The dataset indices replica ``rank`` evaluates, in order; ``-1`` marks padding.
 
-    The indices ``0..n-1`` are padded with ``-1`` up to a multiple of
-    ``batch_size * world_size`` and dealt out round-robin (like ``DistributedSampler``
-    with ``shuffle=False``, but padding instead of repeating). So every replica gets the
-    same number of full batches, and each index appears on exactly one replica, once.
-    Pure: no torch_xla, no I/O.
+    ``0..n-1`` padded with ``-1`` to a multiple of ``batch_size * world_size`` and dealt
+    round-robin (``DistributedSampler(shuffle=False)``, padding instead of repeating):
+    every replica gets as many full batches, each index is on one replica, once. Pure.
     """
     _check_batch(n, batch_size)
     _replica(world_size, rank)
@@ -231,16 +199,13 @@ class PaddedEvalDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _pad_row(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._padding is None:
-            x, y = self.dataset[0]
-            self._padding = (torch.zeros_like(torch.as_tensor(x)),
-                             torch.zeros_like(torch.as_tensor(y)))
-        return self._padding
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         if index < 0:
-            x, y = self._pad_row()
+            if self._padding is None:
+                x, y = self.dataset[0]
+                self._padding = (torch.zeros_like(torch.as_tensor(x)),
+                                 torch.zeros_like(torch.as_tensor(y)))
+            x, y = self._padding
             return x, y, torch.tensor(-1, dtype=torch.int64), torch.tensor(False)
         x, y = self.dataset[index]
         return (torch.as_tensor(x), torch.as_tensor(y), torch.tensor(index, dtype=torch.int64),
@@ -249,18 +214,14 @@ class PaddedEvalDataset(Dataset):
 
 def make_eval_loader(dataset: Dataset, batch_size: int, *, world_size: int | None = None,
                      rank: int | None = None, num_workers: int = 0) -> DataLoader:
-    """An evaluation DataLoader yielding ``(x, y, index, mask)``, every batch full.
+    """This replica's evaluation DataLoader of ``(x, y, index, mask)``, every batch full.
 
-    ``index`` (int64) is each row's dataset index, ``-1`` on padding rows; ``mask``
-    (bool) is True on real rows. Every replica runs the same number of steps and, across
-    replicas, each dataset index is in exactly one unmasked row (see
-    :func:`eval_shard_indices`). Works for any non-empty dataset, even one smaller than
-    a batch per replica. Reduce metrics with the mask; gather predictions with the index.
-
-    Batches are ``default_collate``'s, after a check that every row's ``x`` and ``y``
-    have the shapes and dtypes of the batch's first real row: an odd item is a
-    :class:`DataError` naming its dataset index and both shapes (with worker processes
-    too), not a bare "stack expects each tensor to be equal size".
+    ``index`` (int64) is each row's dataset index, ``-1`` on padding rows; ``mask`` (bool)
+    is True on real rows. Every replica runs the same number of steps and each dataset
+    index is in exactly one unmasked row across replicas (:func:`eval_shard_indices`),
+    even for a dataset smaller than one batch per replica. Reduce metrics with the mask;
+    gather predictions by index. An item whose ``x``/``y`` shape or dtype differs from the
+    batch's first real row is a :class:`DataError` naming its dataset index.
     """
     ws, rk = _replica(world_size, rank)
     indices = eval_shard_indices(len(dataset), batch_size, ws, rk)
@@ -269,12 +230,9 @@ def make_eval_loader(dataset: Dataset, batch_size: int, *, world_size: int | Non
                       num_workers=num_workers, collate_fn=_collate_eval)
 
 
-# --------------------------------------------------------------------------- collate
-# Module-level functions (picklable for worker processes). The per-batch cost is one
-# dtype scan, about as long as default_collate itself (~0.5 us per (x, y) item); shapes
-# cost nothing extra: torch.stack compares them, and they are scanned only if it fails.
-
-
+# The checking collates: module-level (picklable for worker processes). Per batch they
+# scan dtypes (about as long as default_collate itself); shapes are compared by
+# torch.stack, and scanned only when it fails.
 def _layout(item: Any, shapes: bool = True) -> Any:
     """What must match across one batch: the dtype (and shape if ``shapes``) of each
     tensor or array, the type of anything else, through tuples, lists and dicts."""
@@ -336,16 +294,14 @@ def _checked_collate(batch: list, items: Sequence[Any], ref: int,
 
 
 def _collate_eval(batch: list[tuple]) -> Any:
-    """make_eval_loader's collate of ``(x, y, index, mask)`` rows: ``x`` and ``y``
-    checked against the first real (mask True) row's, then ``default_collate``."""
+    """``(x, y, index, mask)`` rows: ``x``, ``y`` checked against the first real row's."""
     ref = next((i for i, row in enumerate(batch) if row[3]), 0)
     return _checked_collate(batch, [row[:2] for row in batch], ref,
                             lambda i: int(batch[i][2]))
 
 
 def _collate_train(batch: list) -> Any:
-    """make_train_loader's collate: items checked against the first, then
-    ``default_collate``; ``batch.indices`` (from :class:`_IndexedItems`) names them."""
+    """Items checked against the first; ``batch.indices`` (:class:`_IndexedItems`)."""
     indices = getattr(batch, "indices", None)
     return _checked_collate(batch, batch, 0,
                             lambda i: indices[i] if indices else f"? (batch row {i})")
@@ -360,8 +316,8 @@ class _Batch(list):
 
 
 class _IndexedItems(Dataset):
-    """``dataset``'s items, fetched a batch at a time (its own ``__getitems__`` if it
-    has one) as a :class:`_Batch`, so the collate can name an odd item's index."""
+    """``dataset``'s items fetched a batch at a time (its ``__getitems__`` if it has one)
+    as a :class:`_Batch`, so the train collate can name an odd item's index."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset

@@ -1,19 +1,15 @@
-"""Feeding the device: MpDeviceLoader without silent short epochs, and measuring the feed.
+"""MpDeviceLoader that never ends an epoch silently: :class:`StrictDeviceLoader`.
 
-Taught in ``notebooks/02_parallel_loader.ipynb``; ``benchmarks/bench_loader.py`` runs
-:func:`compare_loops`.
+Taught in ``notebooks/02_parallel_loader.ipynb``. Copy this file alone (torch, torch_xla);
+feed it a loader from ``data.py``'s ``make_train_loader`` or your own DataLoader with a
+``DistributedSampler``.
 
-* :class:`StrictDeviceLoader` is ``pl.MpDeviceLoader`` plus one fix. In torch_xla 2.9 an
-  exception raised by the host DataLoader (a corrupt file, a bug in ``__getitem__``)
-  inside ParallelLoader's background thread is printed and the epoch then simply ENDS
-  EARLY: the training loop sees ``StopIteration``, not the error. On several replicas the
-  one that stopped early leaves the others waiting in a collective. This wrapper
-  re-raises the original exception in the training loop and checks that the epoch
-  delivered ``len(loader)`` batches.
-* :func:`naive_loop`, :func:`device_loader_loop`, :func:`on_device_loop` run the same step
-  three ways (``.to(device)`` per batch; MpDeviceLoader; batches already on the device)
-  and :func:`compare_loops` times them in one process, with compile and transfer counts
-  from :mod:`tpu_helpers.metrics`.
+Why: in torch_xla 2.8 and 2.9 an exception raised by the host DataLoader (a corrupt
+file, a bug in ``__getitem__``) inside ParallelLoader's loader thread is printed from that
+thread and the epoch then simply ENDS EARLY: the training loop sees ``StopIteration``,
+not the error, and on several replicas the one that stopped early leaves the others
+waiting in a collective. This wrapper re-raises the original exception in the training
+loop and checks that the epoch delivered ``len(loader)`` batches.
 
 Importing this module does not touch the XLA device.
 """
@@ -24,7 +20,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch_xla.distributed.parallel_loader as pl
 
+#: A training step on one batch, ``step(x, y) -> loss`` (course code times loops of it).
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -65,8 +63,6 @@ class StrictDeviceLoader:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator:
-        import torch_xla.distributed.parallel_loader as pl
-
         source = _ErrorCatchingLoader(self.loader)
         # What MpDeviceLoader does, with the ParallelLoader closed when the loop stops
         # early (a `break`), so its background threads do not linger.
@@ -86,9 +82,3 @@ class StrictDeviceLoader:
         if expected is not None and delivered != expected:
             raise RuntimeError(f"the device loader delivered {delivered} of {expected} batches "
                                "this epoch, with no error from the host loader.")
-
-
-# --------------------------------------------------------------------------- timing
-
-
-# --------------------------------------------------------------------------- SPMD
