@@ -1,19 +1,14 @@
 """A guard for your own loops: count what XLA did in a block and fail when it recompiles.
 
-Taught in ``notebooks/05_performance_debugging.ipynb`` (recompiles, host syncs, CPU
-fallbacks); first shown in ``notebooks/00_environment.ipynb``. Needs no sibling: copy this
-file alone (it imports torch, torch_xla and the standard library).
+Taught in ``notebooks/05_performance_debugging.ipynb``; first shown in notebook 00. Needs no
+sibling: copy this file alone (torch, torch_xla, the standard library).
 
-* :func:`snapshot` / :class:`Counts`: compiles, executions, transfers and CPU-fallback ops
-  so far, from ``torch_xla.debug.metrics``; subtract two snapshots for a block's cost.
-* :func:`fallback_op_counts`: how often each op without an XLA lowering ran on the CPU.
-* :func:`track`: a context manager that counts a block, enforces limits
-  (``max_compiles=0`` after warm-up) and on a violation raises :class:`LimitExceeded`
-  naming the counts, the fallback ops by name and the Python line of each host read
-  (``.item()``, ``print(t)``, ``if t:``).
-
-Importing this module does not touch the XLA device: the ``torch_xla`` imports are inside
-the functions that read counters (a copied file must never initialise the runtime early).
+:func:`snapshot` reads compiles, executions, transfers and CPU-fallback ops from
+``torch_xla.debug.metrics`` into :class:`Counts`; :func:`track` counts a ``with`` block,
+enforces limits (``max_compiles=0`` after warm-up) and on a violation raises
+:class:`LimitExceeded` naming the counts, the fallback ops and the Python line of each
+host read (``.item()``, ``print(t)``, ``if t:``). Importing this module does not touch
+the XLA device (the ``torch_xla`` imports are deferred into the functions for that).
 """
 
 from __future__ import annotations
@@ -140,10 +135,6 @@ def _user_frame(depth: int = 2) -> str:
     return "?"
 
 
-def _is_xla(obj: Any) -> bool:
-    return getattr(getattr(obj, "device", None), "type", None) == "xla"
-
-
 def _targets_cpu(args: tuple, kwargs: dict) -> bool:
     for value in (*args[1:], kwargs.get("device")):
         if value is not None and (str(value).startswith("cpu")
@@ -169,7 +160,8 @@ class _HostSyncRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if args and _is_xla(args[0]) and (
+        on_xla = args and getattr(getattr(args[0], "device", None), "type", None) == "xla"
+        if on_xla and (
                 name in _HOST_READS or (name == "to" and _targets_cpu(args, kwargs))):
             self.sink.append(HostSync(op=_op_label(name), where=_user_frame(2)))
         return func(*args, **kwargs)
@@ -184,13 +176,9 @@ class LimitExceeded(AssertionError):
 
 @dataclass
 class Tracked:
-    """Filled in when the ``with track() as t:`` block ends.
-
-    ``counts``: :class:`Counts` for the block; ``fallback_ops``: op name -> times it ran on
-    the CPU; ``host_syncs``: each host read of an XLA tensor (when recorded); ``notes``:
-    extra explanation lines an ``on_exit`` hook added; ``details``: whatever that hook
-    found, by name (e.g. the course's compile analysis).
-    """
+    """Filled in when the ``with track() as t:`` block ends: its :class:`Counts`, the
+    fallback ops (name -> times), the host reads (when recorded), and the ``notes`` (lines
+    for the message) and ``details`` an ``on_exit`` hook added."""
 
     counts: Counts = Counts()
     fallback_ops: dict[str, int] = field(default_factory=dict)
