@@ -199,14 +199,23 @@ class Tracked:
             lines.append(f"ops that ran on the CPU (no XLA lowering): {ops}")
         lines += self.notes
         if c.compiles and not self.notes:
-            lines.append("to see each compile's cause and Python line, set PT_XLA_DEBUG_LEVEL=1 "
-                         "(and PT_XLA_DEBUG_FILE=path) before the first compile of the process")
+            lines.append(_analysis_hint())
         if self.host_syncs:
             grouped = Counter((h.op, h.where) for h in self.host_syncs)
             lines.append("host reads of XLA tensors (each one waits for the device):")
             lines += [f"  {k} x {op} at {where}"
                       for (op, where), k in grouped.most_common(_MAX_LISTED)]
         return "\n".join(lines)
+
+
+def _analysis_hint() -> str:
+    """Where torch_xla's compile analysis (each compile's cause and line) is, or how to get it."""
+    if os.environ.get("PT_XLA_DEBUG_LEVEL", "0") not in ("", "0"):
+        where = os.environ.get("PT_XLA_DEBUG_FILE") or "stderr"
+        return (f"each compile's cause and Python line: the 'Compilation Analysis' blocks in "
+                f"{where} (if PT_XLA_DEBUG_LEVEL was set before the first compile)")
+    return ("to see each compile's cause and Python line, set PT_XLA_DEBUG_LEVEL=1 (and "
+            "PT_XLA_DEBUG_FILE=path) before the first compile of the process")
 
 
 def _broken_limits(c: Counts, limits: dict[str, int | None]) -> list[str]:
