@@ -7,8 +7,9 @@ sibling: copy this file alone (torch, torch_xla, the standard library).
 ``torch_xla.debug.metrics`` into :class:`Counts`; :func:`track` counts a ``with`` block,
 enforces limits (``max_compiles=0`` after warm-up) and on a violation raises
 :class:`LimitExceeded` naming the counts, the fallback ops and the Python line of each
-host read (``.item()``, ``print(t)``, ``if t:``). Importing this module does not touch
-the XLA device (the ``torch_xla`` imports are deferred into the functions for that).
+host read (``.item()``, ``print(t)``, ``if t:``). Importing this module neither touches
+the XLA device nor imports torch_xla (whose import picks a default ``PJRT_DEVICE``): the
+``torch_xla`` imports are deferred into the functions that read counters.
 """
 
 from __future__ import annotations

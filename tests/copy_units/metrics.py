@@ -1,7 +1,9 @@
 # copies: metrics.py
 # The no-recompile guard around steady training steps; a recompile and a host read it names.
-import torch, torch_xla
+import sys
 from metrics import LimitExceeded, track
+assert "torch_xla" not in sys.modules  # importing the guard neither starts nor picks a device
+import torch, torch_xla
 device = torch_xla.device()
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 2).to(device)
