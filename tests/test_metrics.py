@@ -1,4 +1,5 @@
-"""tpu_helpers.metrics on real torch_xla (XLA:CPU): counts, limits, explanations, DataFrames.
+"""tpu_helpers.metrics (the guard) and course.compile_analysis (the course's tables and
+compile causes) on real torch_xla (XLA:CPU): counts, limits, explanations, DataFrames.
 
 The central promise: a block that introduces a recompile (a new input shape, a Python
 branch on a tensor value, a ragged last batch) fails under ``track(max_compiles=0)``.
@@ -15,18 +16,16 @@ import torch_xla
 from conftest import run_python
 from torch import nn
 
-from course.models import DigitsCNN
-from tpu_helpers.metrics import (
+from course.compile_analysis import (
     CompileCause,
-    Counts,
-    LimitExceeded,
     measure_steps,
     metrics_delta,
     metrics_frame,
     parse_compile_analysis,
-    snapshot,
-    track,
+    track_with_analysis,
 )
+from course.models import DigitsCNN
+from tpu_helpers.metrics import Counts, LimitExceeded, snapshot, track
 
 
 def _lineno(marker: str) -> int:
@@ -99,7 +98,7 @@ def test_a_new_batch_shape_is_a_recompile_and_fails(device, train_step):
             train_step(ragged_x, ragged_y)
     message = str(info.value)
     assert message.startswith("last batch: 1 compiles (limit 0)")
-    assert "enable_compile_analysis" in message  # says how to get the cause
+    assert "PT_XLA_DEBUG_LEVEL=1" in message  # says how to get the cause
 
 
 def test_python_branch_on_a_tensor_is_caught_with_its_line(device, train_step):
@@ -182,10 +181,11 @@ def test_metrics_frame_and_delta(device):
 
 def test_report_in_track_is_the_blocks_delta(device):
     v = torch.full((3,), 4.0, device=device)
-    with track(report=True) as t:
+    with track_with_analysis(report=True) as t:
         (v * 11.0).sum().item()
-    assert t.report.loc["ExecuteTime", "count"] == t.counts.executions
-    assert t.report.loc["TransferFromDeviceTime", "count"] == t.counts.transfers_from_device
+    report = t.details["report"]
+    assert report.loc["ExecuteTime", "count"] == t.counts.executions
+    assert report.loc["TransferFromDeviceTime", "count"] == t.counts.transfers_from_device
 
 
 SAMPLE = textwrap.dedent("""\
@@ -251,21 +251,23 @@ def test_debug_level_2_stderr_of_a_real_process_is_parsed():
 
 def test_enable_compile_analysis_names_cause_and_frame_in_the_error(tmp_path):
     code = f"""
-        from tpu_helpers.metrics import LimitExceeded, enable_compile_analysis, track
+        from course.compile_analysis import enable_compile_analysis, track_with_analysis
+        from tpu_helpers.metrics import LimitExceeded
         path = enable_compile_analysis({str(tmp_path / 'analysis.txt')!r})
         import torch, torch_xla
         dev = torch_xla.device()
         w = torch.ones(4, 4, device=dev)
         def step(n):
             y = (torch.ones(n, 4, device=dev) @ w).sum()
-            torch_xla.sync()  # line 9
+            torch_xla.sync()  # line 10
             return y
         step(8); step(8)
         try:
-            with track(max_compiles=0, what="new shapes"):
+            with track_with_analysis(max_compiles=0, what="new shapes") as t:
                 step(5); step(6)
         except LimitExceeded as exc:
             print(exc)
+            print("causes:", len(t.details["compile_causes"]))
         try:
             enable_compile_analysis("/tmp/elsewhere.txt")
         except RuntimeError as exc:
@@ -273,8 +275,9 @@ def test_enable_compile_analysis_names_cause_and_frame_in_the_error(tmp_path):
     """
     out = run_python(code).stdout
     assert "new shapes: 2 compiles (limit 0)" in out
-    assert out.count("(user torch_xla.sync) at step (<string>:9)") == 2
-    assert "2 different graphs compiled at step (<string>:9)" in out
+    assert out.count("(user torch_xla.sync) at step (<string>:10)") == 2
+    assert "2 different graphs compiled at step (<string>:10)" in out
+    assert "causes: 2" in out
     assert "TOO LATE: enable_compile_analysis() must run before the first XLA compile" in out
     # ones(4, 4) on the device, step(8), step(5), step(6): four compiles in the file
     assert (tmp_path / "analysis.txt").read_text().count("Compilation Cause") == 4
@@ -289,3 +292,53 @@ def test_measure_steps_counts_after_warmup(device, train_step):
     assert ragged.counts.compiles == 1  # the short last batch: a new graph after warm-up
     with pytest.raises(ValueError, match="more than 2 batches"):
         measure_steps(train_step, batches[:2])
+
+
+def test_on_exit_hook_adds_lines_to_the_error(device):
+    def note(t):
+        t.notes.append(f"hook saw {t.counts.compiles} compiles")
+        t.details["seen"] = True
+
+    w = torch.full((5, 3), 0.25, device=device)
+    with pytest.raises(LimitExceeded) as info:
+        with track(max_compiles=0, what="hooked", on_exit=note) as t:
+            (w * 17.0).sum().item()  # a graph never built before in this process
+    assert "hook saw 1 compiles" in str(info.value) and t.details == {"seen": True}
+
+
+def test_spmd_executions_are_counted_in_execute_replicated_time():
+    code = """
+        import numpy as np, torch, torch_xla
+        import torch_xla.debug.metrics as met
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+        from tpu_helpers.metrics import track
+        xr.use_spmd()
+        mesh = xs.Mesh(np.arange(4), (4, 1))
+        x = torch.ones(8, 4).to(torch_xla.device())
+        xs.mark_sharding(x, mesh, (0, 1))
+        with track() as t:
+            (x * 2).sum().item()
+        print(t.counts.executions, met.metric_data("ExecuteTime"))
+    """
+    out = run_python(code, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}).stdout
+    assert out.split() == ["1", "None"]  # SPMD: ExecuteReplicatedTime, never ExecuteTime
+
+
+@pytest.mark.parametrize("environ", [
+    {}, {"COLAB_RELEASE_TAG": "r"},
+    {"COLAB_RELEASE_TAG": "r", "TPU_ACCELERATOR_TYPE": "v5litepod-1"},
+    {"KAGGLE_KERNEL_RUN_TYPE": "i", "TPU_ACCELERATOR_TYPE": "v5litepod-8"},
+    {"TPU_ACCELERATOR_TYPE": "v4-8", "XDG_CACHE_HOME": "/xdg"},
+], ids=["local", "colab-cpu", "colab-v5e1", "kaggle-v5e8", "tpu-vm-v4"])
+def test_compile_cache_dir_alone_matches_the_env_module(environ, tmp_path):
+    """compile_cache.py stands alone (its own small runtime detection); without a runtime
+    it picks the same folder as with ``tpu_helpers.env.detect_runtime``'s."""
+    from tpu_helpers.compile_cache import compile_cache_dir
+    from tpu_helpers.env import detect_runtime
+
+    where = {"environ": environ, "colab_drive": tmp_path / "drive", "home": tmp_path}
+    (tmp_path / "drive").mkdir()
+    alone = compile_cache_dir(**where)
+    assert alone == compile_cache_dir(detect_runtime(environ), **where)
+    assert alone.path.name.endswith(environ.get("TPU_ACCELERATOR_TYPE", "cpu"))
