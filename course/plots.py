@@ -77,8 +77,8 @@ def plot_shard_layout(tensors: Mapping[str, torch.Tensor] | torch.nn.Module, lay
             if p.device == 0:
                 ax.set_ylabel(f"{clean_name(name)}\n{'x'.join(map(str, shape))}",
                               rotation=0, ha="right", va="center", fontsize=8)
-    share = held_fraction(dict(named))
-    fig.suptitle(f"{layout}: each of {n} device{'s' * (n > 1)} holds {share:.0%} of the "
-                 "parameters", fontsize=10)
+    what = (f"each of {n} devices holds {held_fraction(dict(named)):.0%} of the parameters"
+            if n > 1 else "one device: it holds all the parameters")
+    fig.suptitle(f"{layout}\n{what}", fontsize=10)
     fig.tight_layout()
     return fig

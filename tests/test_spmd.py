@@ -239,7 +239,8 @@ def test_fsdpv2_holds_a_quarter_per_device(spmd_report):
 
 
 def test_shard_plot_title_says_what_it_shows_with_clean_names(spmd_report):
-    assert spmd_report["plot_title"] == "FSDPv2: each of 4 devices holds 25% of the parameters"
+    assert spmd_report["plot_title"] == (
+        "FSDPv2\neach of 4 devices holds 25% of the parameters")
     assert [label.split("\n")[0] for label in spmd_report["plot_labels"]] == [
         "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 
