@@ -1,21 +1,11 @@
 """SPMD model sharding: a mesh over the devices you have, where each shard lives, and
-sharded checkpoints that load safely.
+sharded checkpoints that save atomically and load safely.
 
-Taught in ``notebooks/07_model_sharding_spmd.ipynb`` (the mesh, ``xs.mark_sharding``,
-FSDPv2 and ``torch.distributed.checkpoint`` written in its cells first); notebooks 03 and
-04 use :func:`device_mesh` for SPMD data parallelism.
-
-Copy this file alone: it needs torch, torch_xla, numpy and the standard library, no
-sibling. Importing it does not start the XLA runtime (importing torch_xla does not); call
-:func:`device_mesh`, :func:`sharding_summary` and the checkpoint functions after
-``xr.use_spmd()``.
-
-* :func:`mesh_shapes`, :func:`resolve_mesh_shape` (pure) and :func:`device_mesh`.
-* :func:`shard_placements` (pure: parses XLA's sharding string), :func:`tensor_placements`
-  and :func:`sharding_summary` (bytes per device from the shard shapes; no data copied).
-* :func:`save_sharded_checkpoint` (atomic) and :func:`load_sharded_checkpoint` (the
-  ``.metadata`` pickle is read by a restricted unpickler; data files must be inside the
-  folder).
+Taught in ``notebooks/07_model_sharding_spmd.ipynb`` (the mesh, ``xs.mark_sharding``, FSDPv2
+and ``torch.distributed.checkpoint`` are written in its cells first); notebooks 03 and 04
+use :func:`device_mesh`. Copy this file alone: torch, torch_xla, numpy and the standard
+library, no sibling. Importing it (and torch_xla) does not start the XLA runtime; call the
+runtime functions after ``xr.use_spmd()``.
 """
 
 from __future__ import annotations
@@ -63,9 +53,8 @@ def mesh_shapes(num_devices: int, num_axes: int) -> list[tuple[int, ...]]:
 
 def resolve_mesh_shape(num_devices: int, axis_names: Sequence[str],
                        shape: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Check a mesh shape against the device count (pure). ``shape`` defaults to every
-    device on the first axis; one ``-1`` is inferred. The ValueError lists the shapes
-    that fit."""
+    """Check a mesh shape against the device count (pure): default all devices on the
+    first axis, one ``-1`` inferred; the ValueError lists the shapes that fit."""
     names = tuple(axis_names)
     if not names or len(set(names)) != len(names):
         raise ValueError(f"axis names must be distinct and non-empty, got {names}")
@@ -339,8 +328,7 @@ class _SafeReader(dist_cp.FileSystemReader):
         return metadata
 
 
-def _safe_reader(folder: Path) -> _SafeReader:
-    return _SafeReader(folder)
+_safe_reader = _SafeReader
 
 
 def _checkpoint_folder(directory: str | os.PathLike[str]) -> Path:
