@@ -1,12 +1,27 @@
-"""Course-only figures."""
+"""Course-only figures (notebook 07's shard layout)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
+import matplotlib.pyplot as plt
 import torch
+import torch_xla.runtime as xr
+from matplotlib.patches import Rectangle
 
-from tpu_helpers.spmd import _named_tensors, shard_placements
+from tpu_helpers.spmd import ShardPlacement, tensor_placements
+
+#: Wrapper prefixes that say nothing about the layout (FSDPv2 keeps the model in
+#: ``_orig_module``; torch.compile in ``_orig_mod``).
+WRAPPER_PREFIXES = ("_orig_module.", "_orig_mod.", "module.")
+
+
+def clean_name(name: str) -> str:
+    """``_orig_module.up.weight`` -> ``up.weight``."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def _as_2d(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, slice, int, int]:
@@ -18,50 +33,52 @@ def _as_2d(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, sli
     return index[0], index[1], shape[0], shape[1]
 
 
-def plot_shard_layout(tensors: Mapping[str, torch.Tensor] | torch.nn.Module,
-                      title: str | None = None):
-    """A grid: one row per tensor, one column per device. Each cell outlines the whole
-    tensor and fills the part that device holds (its colour), with the shard's shape.
+def _draw(ax, p: ShardPlacement, shape: tuple[int, ...], colour) -> None:
+    r, c, rows_total, cols_total = _as_2d(p.index, shape)
+    ax.add_patch(Rectangle((0, 0), cols_total, rows_total, fill=False, lw=1))
+    ax.add_patch(Rectangle((c.start, r.start), c.stop - c.start, r.stop - r.start,
+                           facecolor=colour, alpha=0.8, lw=0))
+    held = "x".join(map(str, p.shape)) if all(p.shape) else "padding only"
+    x, y = ((c.start + c.stop) / 2, (r.start + r.stop) / 2) if all(p.shape) else (
+        cols_total / 2, rows_total / 2)
+    ax.text(x, y, held, ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, cols_total)
+    ax.set_ylim(rows_total, 0)
+    ax.set_xticks([])
+    ax.set_yticks([])
 
-    Replicated tensors are filled in every column; a 4-way sharded one shows a quarter
-    per device. 1-D tensors are drawn as one row, >2-D ones by their first two dims.
-    Returns the matplotlib Figure.
-    """
-    import matplotlib.pyplot as plt
-    import torch_xla
-    import torch_xla.runtime as xr
-    from matplotlib.patches import Rectangle
 
-    n = xr.global_runtime_device_count()
-    named = _named_tensors(tensors)
+def held_fraction(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> float:
+    """The share of all elements device 0 allocates (padded shards included)."""
+    named = dict(tensors.named_parameters() if isinstance(tensors, torch.nn.Module)
+                 else tensors)
+    held = sum(math.prod(tensor_placements(t)[0].padded_shape) for t in named.values())
+    return held / sum(t.numel() for t in named.values())
+
+
+def plot_shard_layout(tensors: Mapping[str, torch.Tensor] | torch.nn.Module, layout: str):
+    """One row per tensor (wrapper prefixes removed from the names), one column per
+    device; each cell outlines the whole tensor and fills what that device holds. The
+    title names the ``layout`` and says how much of the model each device holds."""
+    named = list(tensors.named_parameters() if isinstance(tensors, torch.nn.Module)
+                 else tensors.items())
     if not named:
         raise ValueError("plot_shard_layout: no tensors to draw")
-    fig, axes = plt.subplots(len(named), n, figsize=(1.9 * n + 1.6, 0.95 * len(named) + 0.8),
+    n = xr.global_runtime_device_count()
+    fig, axes = plt.subplots(len(named), n, figsize=(1.9 * n + 1.6, 0.95 * len(named) + 0.9),
                              squeeze=False)
-    colours = plt.get_cmap("tab10")
     for row, (name, t) in enumerate(named):
-        spec = torch_xla._XLAC._get_xla_sharding_spec(t) if t.device.type == "xla" else ""
         shape = tuple(t.shape)
-        for p in shard_placements(spec, shape, n):
+        for p in tensor_placements(t):
             ax = axes[row, p.device]
-            r, c, rows_total, cols_total = _as_2d(p.index, shape)
-            ax.add_patch(Rectangle((0, 0), cols_total, rows_total, fill=False, lw=1))
-            ax.add_patch(Rectangle((c.start, r.start), c.stop - c.start, r.stop - r.start,
-                                   facecolor=colours(p.device % 10), alpha=0.8, lw=0))
-            held = "x".join(map(str, p.shape)) if all(p.shape) else "padding only"
-            x, y = ((c.start + c.stop) / 2, (r.start + r.stop) / 2) if all(p.shape) else (
-                cols_total / 2, rows_total / 2)
-            ax.text(x, y, held, ha="center", va="center", fontsize=8)
-            ax.set_xlim(0, cols_total)
-            ax.set_ylim(rows_total, 0)
-            ax.set_xticks([])
-            ax.set_yticks([])
+            _draw(ax, p, shape, plt.get_cmap("tab10")(p.device % 10))
             if row == 0:
                 ax.set_title(f"device {p.device}", fontsize=9)
             if p.device == 0:
-                ax.set_ylabel(f"{name}\n{'x'.join(map(str, shape))}", rotation=0,
-                              ha="right", va="center", fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
+                ax.set_ylabel(f"{clean_name(name)}\n{'x'.join(map(str, shape))}",
+                              rotation=0, ha="right", va="center", fontsize=8)
+    what = (f"each of {n} devices holds {held_fraction(dict(named)):.0%} of the parameters"
+            if n > 1 else "one device: it holds all the parameters")
+    fig.suptitle(f"{layout}\n{what}", fontsize=10)
     fig.tight_layout()
     return fig

@@ -104,16 +104,22 @@ import json, os, tempfile
 import matplotlib
 matplotlib.use("Agg")
 import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
     SpmdFullyShardedDataParallel as FSDPv2)
-xr.use_spmd()
+import warnings
+counted_before = xr.global_runtime_device_count()  # querying the runtime before is fine
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    xr.use_spmd()
 from tpu_helpers.spmd import (device_mesh, load_sharded_checkpoint, save_sharded_checkpoint,
                               sharding_summary)
 from course.plots import plot_shard_layout
 
-out = {"devices": xr.global_runtime_device_count()}
+out = {"devices": xr.global_runtime_device_count(), "counted_before": counted_before,
+       "use_spmd_warnings": [str(w.message) for w in caught]}
 out["mesh_default"] = list(device_mesh(("data", "model")).mesh_shape)
 out["mesh_fsdp"] = list(device_mesh(("fsdp", "model"), (-1, 2)).mesh_shape)
 try:
@@ -128,8 +134,7 @@ ts = {k: v.to(dev) for k, v in ts.items()}
 xs.mark_sharding(ts["w"], mesh, ("model", None))
 xs.mark_sharding(ts["c"], mesh, ("data", "model"))
 xs.mark_sharding(ts["e"], mesh, (None, ("data", "model")))
-df = sharding_summary(ts)
-out["summary"] = df.reset_index().to_dict(orient="records")
+out["summary"] = sharding_summary(ts)
 # torch_xla's own view: the device buffers (copied to the host here, which the summary avoids)
 sharded = ["w", "c", "e"]
 shards = torch_xla._XLAC._get_local_shards([ts[k] for k in sharded])
@@ -154,9 +159,16 @@ fsdp_mesh = device_mesh(("fsdp",))
 torch.manual_seed(0)
 a = FSDPv2(MLP(), mesh=fsdp_mesh)
 fs = sharding_summary(a)
-out["fsdp_fraction"] = float(fs["bytes/device"].sum() / fs["bytes"].sum())
-fig = plot_shard_layout(a)
+out["fsdp_fraction"] = sum(r["bytes/device"] for r in fs) / sum(r["bytes"] for r in fs)
+fig = plot_shard_layout(a, "FSDPv2")
 out["plot_axes"] = len(fig.axes)
+out["plot_title"] = fig._suptitle.get_text()
+out["plot_labels"] = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel()]
+# under SPMD every execution is counted in ExecuteReplicatedTime, none in ExecuteTime
+before = (met.metric_data("ExecuteReplicatedTime") or [0])[0]
+a(torch.ones(8, 64, device=dev)).sum().item()
+out["executions"] = {"replicated": (met.metric_data("ExecuteReplicatedTime") or [0])[0] - before,
+                     "plain": met.metric_data("ExecuteTime")}
 
 root = tempfile.mkdtemp()
 ck = os.path.join(root, "ck")
@@ -184,7 +196,7 @@ for name, fn in [
     except Exception as e:
         errors[name] = [type(e).__name__, str(e)]
 out["errors"] = errors
-print("JSON" + json.dumps(out))
+print("JSON" + json.dumps(out, default=list))
 """
 
 
@@ -196,7 +208,8 @@ def spmd_report() -> dict:
 
 
 def test_device_mesh_on_four_devices(spmd_report):
-    assert spmd_report["devices"] == 4
+    assert spmd_report["devices"] == 4 == spmd_report["counted_before"]
+    assert spmd_report["use_spmd_warnings"] == []  # no tensor was on the device yet
     assert spmd_report["mesh_default"] == [4, 1]
     assert spmd_report["mesh_fsdp"] == [2, 2]
     assert "needs 16 devices; 4 are available" in spmd_report["mesh_bad"]
@@ -225,6 +238,18 @@ def test_fsdpv2_holds_a_quarter_per_device(spmd_report):
     assert spmd_report["plot_axes"] == 4 * 4
 
 
+def test_shard_plot_title_says_what_it_shows_with_clean_names(spmd_report):
+    assert spmd_report["plot_title"] == (
+        "FSDPv2\neach of 4 devices holds 25% of the parameters")
+    assert [label.split("\n")[0] for label in spmd_report["plot_labels"]] == [
+        "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+
+
+def test_spmd_executions_are_counted_as_replicated(spmd_report):
+    assert spmd_report["executions"]["replicated"] == 1
+    assert spmd_report["executions"]["plain"] is None
+
+
 def test_sharded_checkpoint_round_trip(spmd_report):
     assert spmd_report["ck_listing"] == ["ck"]  # no temp or old folders left behind
     assert ".metadata" in spmd_report["ck_files"]
@@ -239,3 +264,27 @@ def test_sharded_checkpoint_bad_input_is_named(spmd_report):
     assert errors["extra_key"][0] == "KeyError" and "'x'" in errors["extra_key"][1]
     assert errors["shape"][0] == "ValueError"
     assert "fc1.bias" in errors["shape"][1] and "(256,)" in errors["shape"][1]
+
+
+LATE_SPMD = r"""
+import resource, warnings
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the crash below leaves no core file
+import torch, torch_xla, torch_xla.runtime as xr
+t = torch.ones(4, device=torch_xla.device())   # the device is used before SPMD mode
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    xr.use_spmd()
+print("WARN" + " | ".join(str(w.message) for w in caught), flush=True)
+print("SUM", (torch.ones(4, device=torch_xla.device()) * 2).sum().item(), flush=True)
+"""
+
+
+def test_late_use_spmd_warns_then_the_next_computation_crashes_on_xla_cpu():
+    # Same Python source in 2.8 and 2.9 (runtime.use_spmd): it forces SPMD mode with a
+    # warning. On XLA:CPU the first computation after it kills the process (a segfault
+    # in 2.8 and 2.9), which notebook 07 says; if this starts to pass, update the notebook.
+    proc = run_python(LATE_SPMD, env={"CPU_NUM_DEVICES": "4", "TF_CPP_MIN_LOG_LEVEL": "2"},
+                      check=False)
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("WARN"))
+    assert "Replicating tensors already initialized on non-virtual XLA device" in line
+    assert proc.returncode != 0 and "SUM" not in proc.stdout

@@ -1,26 +1,18 @@
-"""SPMD model sharding: meshes for the devices you have, where each shard lives, and
-sharded checkpoints.
+"""SPMD model sharding: a mesh over the devices you have, where each shard lives, and
+sharded checkpoints that save atomically and load safely.
 
-Taught in ``notebooks/07_model_sharding_spmd.ipynb`` (tensor parallelism and FSDPv2 on 4
-virtual XLA:CPU devices); ``notebooks/03`` and ``04`` use :func:`device_mesh` for SPMD data
-parallelism and ``notebooks/08_myths_and_facts.ipynb`` uses :func:`sharding_summary` to
-show that DDP keeps a full copy of the model on every device.
-
-* :func:`mesh_shapes` / :func:`resolve_mesh_shape` (pure) and :func:`device_mesh`: a
-  ``xs.Mesh`` over every device, with a clear error listing the shapes that fit.
-* :func:`shard_placements` (pure: parses XLA's sharding string) and
-  :func:`sharding_summary`: a pandas table with the bytes each device holds, computed from
-  the shard shapes, without copying any data off the devices. :func:`plot_shard_layout`
-  draws the same information.
-* :func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint`:
-  ``torch.distributed.checkpoint`` with torch_xla's SPMD planners, written atomically.
-
-Call the runtime functions only after ``xr.use_spmd()``; importing this module touches
-no device.
+Taught in ``notebooks/07_model_sharding_spmd.ipynb`` (the mesh, ``xs.mark_sharding``, FSDPv2
+and ``torch.distributed.checkpoint`` are written in its cells first); notebooks 03 and 04
+use :func:`device_mesh`. Copy this file alone: torch, torch_xla, numpy and the standard
+library, no sibling. Importing it (and torch_xla) does not start the XLA runtime; call the
+runtime functions after ``xr.use_spmd()``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib
 import math
 import os
 import pickle
@@ -28,15 +20,18 @@ import re
 import shutil
 import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-from tpu_helpers.checkpoint import fsync_dir
+import torch.distributed.checkpoint as dist_cp
+import torch_xla
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 
 # --------------------------------------------------------------------------- meshes
 
@@ -58,11 +53,8 @@ def mesh_shapes(num_devices: int, num_axes: int) -> list[tuple[int, ...]]:
 
 def resolve_mesh_shape(num_devices: int, axis_names: Sequence[str],
                        shape: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Check a mesh shape against the device count (pure, no runtime).
-
-    ``shape`` defaults to all devices on the first axis and 1 on the others; one ``-1``
-    entry is inferred. Raises ValueError naming the shapes that would fit.
-    """
+    """Check a mesh shape against the device count (pure): default all devices on the
+    first axis, one ``-1`` inferred; the ValueError lists the shapes that fit."""
     names = tuple(axis_names)
     if not names or len(set(names)) != len(names):
         raise ValueError(f"axis names must be distinct and non-empty, got {names}")
@@ -87,17 +79,14 @@ def resolve_mesh_shape(num_devices: int, axis_names: Sequence[str],
     return shape
 
 
-def device_mesh(axis_names: tuple[str, ...] = ("data",), shape: tuple[int, ...] | None = None):
-    """A ``xs.Mesh`` over every device the SPMD runtime sees (all hosts of a pod slice).
+def device_mesh(axis_names: tuple[str, ...] = ("data",),
+                shape: tuple[int, ...] | None = None) -> xs.Mesh:
+    """``xs.Mesh(np.arange(n), shape, axis_names)`` over all ``n`` devices the SPMD runtime
+    sees (every host of a pod slice), refusing a shape that does not use exactly them.
 
-    ``device_mesh(("data", "model"))`` on 4 devices is a (4, 1) mesh;
-    ``device_mesh(("fsdp", "model"), (-1, 2))`` is (2, 2). Raises ValueError (before any
-    compile) if the shape does not use exactly the available devices. For several slices
-    joined by the data-centre network use ``xs.HybridMesh`` instead (notebook 07).
+    ``device_mesh(("data", "model"))`` on 4 devices is (4, 1); ``device_mesh(("fsdp",
+    "model"), (-1, 2))`` is (2, 2). Several slices joined by DCN: ``xs.HybridMesh``.
     """
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
-
     n = xr.global_runtime_device_count()
     shape = resolve_mesh_shape(n, axis_names, shape)
     return xs.Mesh(np.arange(n), shape, tuple(axis_names))
@@ -106,14 +95,10 @@ def device_mesh(axis_names: tuple[str, ...] = ("data",), shape: tuple[int, ...] 
 # --------------------------------------------------------------------------- shard layout
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ShardPlacement:
-    """One device's piece of a tensor: ``tensor[index]`` lives on device ``device``.
-
-    ``index`` has one slice per dimension, into the global tensor, without padding;
-    ``padded_shape`` is the buffer the device allocates (XLA pads uneven shards so every
-    device holds the same shape).
-    """
+    """``tensor[index]`` lives on ``device``; the device allocates ``padded_shape`` (XLA
+    pads uneven shards so every device holds the same shape)."""
 
     device: int
     index: tuple[slice, ...]
@@ -149,25 +134,22 @@ def _tile_devices(dims: list[int], devices: str, spec: str) -> np.ndarray:
 
 
 def shard_placements(spec: str, shape: Sequence[int], num_devices: int) -> list[ShardPlacement]:
-    """Which slice of a tensor of ``shape`` each device holds, from XLA's sharding string.
+    """Which slice of a tensor of ``shape`` each device holds, ordered by device (pure).
 
-    ``spec`` is what ``torch_xla._XLAC._get_xla_sharding_spec(t)`` returns:
-    ``"{devices=[4,1]0,1,2,3}"`` (tiled), ``"{devices=[2,1,2]0,2,1,3
-    last_tile_dim_replicate}"`` (tiled, each tile on 2 devices), ``"{replicated}"``, or
-    ``""`` (no annotation: under SPMD the tensor is replicated). Pure: no device access.
-    Placements are ordered by device id.
+    ``spec`` is ``torch_xla._XLAC._get_xla_sharding_spec(t)``: ``"{devices=[4,1]0,1,2,3}"``,
+    ``"{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"`` (each tile on 2 devices),
+    ``"{replicated}"`` or ``""`` (not annotated: replicated under SPMD).
     """
     shape = tuple(int(s) for s in shape)
-    full = tuple(slice(0, n) for n in shape)
     if spec in ("", "{replicated}"):
-        return [ShardPlacement(d, full, shape) for d in range(num_devices)]
+        return [ShardPlacement(d, tuple(slice(0, n) for n in shape), shape)
+                for d in range(num_devices)]
     m = _TILED.match(spec)
     if not m:
         raise ValueError(f"sharding {spec!r} is not tiled or replicated; "
                          "shard_placements does not handle it")
     dims = [int(d) for d in m.group(1).split(",")]
-    replicate = m.group(3) is not None
-    tile_dims = dims[:-1] if replicate else dims
+    tile_dims = dims[:-1] if m.group(3) else dims
     if len(tile_dims) != len(shape):
         raise ValueError(f"sharding {spec!r} tiles {len(tile_dims)} dims but the tensor has "
                          f"shape {shape}")
@@ -177,8 +159,7 @@ def shard_placements(spec: str, shape: Sequence[int], num_devices: int) -> list[
     for tile in np.ndindex(*tile_dims):
         index = tuple(slice(min(i * p, n), min((i + 1) * p, n))
                       for i, p, n in zip(tile, padded, shape, strict=True))
-        for dev in np.atleast_1d(tiles[tile]).reshape(-1):
-            out.append(ShardPlacement(int(dev), index, padded))
+        out += [ShardPlacement(int(d), index, padded) for d in np.ravel(tiles[tile])]
     if sorted(p.device for p in out) != list(range(len(out))):
         raise ValueError(f"sharding {spec!r} does not place each of {len(out)} devices once")
     if len(out) != num_devices:
@@ -186,80 +167,86 @@ def shard_placements(spec: str, shape: Sequence[int], num_devices: int) -> list[
     return sorted(out, key=lambda p: p.device)
 
 
-def _named_tensors(tensors: Mapping[str, torch.Tensor] | torch.nn.Module
-                   ) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(tensors, torch.nn.Module):
-        return list(tensors.named_parameters())
-    return list(tensors.items())
+def tensor_placements(t: torch.Tensor) -> list[ShardPlacement]:
+    """:func:`shard_placements` of a tensor, from its sharding annotation (no data moves)."""
+    spec = torch_xla._XLAC._get_xla_sharding_spec(t) if t.device.type == "xla" else ""
+    return shard_placements(spec, t.shape, xr.global_runtime_device_count())
 
 
-def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module):
-    """One row per tensor (a module's parameters, or a name -> tensor mapping).
+def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module
+                     ) -> list[dict[str, Any]]:
+    """One row (a dict) per tensor of a mapping, or per parameter of a module.
 
-    Columns: ``shape``, ``dtype``, ``sharding`` (XLA's string), ``copies`` (how many
-    devices hold each element), ``bytes`` (the whole tensor) and ``bytes/device`` (the
-    padded shard every device allocates), ``fraction`` (= bytes/device / bytes).
-    Computed from the shard shapes; no data leaves the devices. The column sums give the
-    per-device total: ``df["bytes/device"].sum() / df["bytes"].sum()``.
+    ``copies``: how many devices hold each element; ``bytes``: the whole tensor;
+    ``bytes/device``: the padded shard each device allocates; ``fraction`` = the ratio.
+    ``pd.DataFrame(rows).set_index("tensor")`` makes it a table.
     """
-    import pandas as pd
-    import torch_xla
-    import torch_xla.runtime as xr
-
-    n = xr.global_runtime_device_count()
+    named = (tensors.named_parameters() if isinstance(tensors, torch.nn.Module)
+             else tensors.items())
     rows = []
-    for name, t in _named_tensors(tensors):
+    for name, t in named:
+        places = tensor_placements(t)
         spec = torch_xla._XLAC._get_xla_sharding_spec(t) if t.device.type == "xla" else ""
-        places = shard_placements(spec, t.shape, n)
-        item = t.element_size()
-        copies = len(places) // len({p.bounds for p in places})
-        rows.append({"tensor": name, "shape": tuple(t.shape), "dtype": str(t.dtype)
-                     .removeprefix("torch."), "sharding": spec or "(none: replicated)",
-                     "copies": copies, "bytes": t.numel() * item,
-                     "bytes/device": max(math.prod(p.padded_shape) for p in places) * item})
-    df = pd.DataFrame(rows).set_index("tensor")
-    df["fraction"] = df["bytes/device"] / df["bytes"]
-    return df
+        total = t.numel() * t.element_size()
+        per_device = max(math.prod(p.padded_shape) for p in places) * t.element_size()
+        rows.append({"tensor": name, "shape": tuple(t.shape),
+                     "dtype": str(t.dtype).removeprefix("torch."),
+                     "sharding": spec or "(none: replicated)",
+                     "copies": len(places) // len({p.bounds for p in places}),
+                     "bytes": total, "bytes/device": per_device,
+                     "fraction": per_device / total if total else 1.0})
+    return rows
 
 
 # --------------------------------------------------------------------------- checkpoints
 
 #: torch's single-process notice and its planner-signature nag (torch_xla's planners
-#: predate the ``storage_meta`` argument): both informational, filtered here.
+#: predate the ``storage_meta`` argument): both informational.
 _CHECKPOINT_NOISE = (r"torch\.distributed is disabled, unavailable or uninitialized",
                      r"The function definition for SavePlanner\.set_up_planner")
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for msg in _CHECKPOINT_NOISE:
+            warnings.filterwarnings("ignore", message=msg)
+        yield
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename inside ``folder`` durable (no-op where folders cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str]
                             ) -> Path:
-    """Save a (sharded) state dict with ``torch.distributed.checkpoint`` and torch_xla's
-    ``SPMDSavePlanner``: each device's shards are written without gathering the tensor.
+    """``dist_cp.save`` with ``SPMDSavePlanner`` (each device's shards written without
+    gathering), into a temporary folder renamed onto ``directory``: a kill leaves the old
+    checkpoint or the new one (between the two renames the old one is
+    ``.<name>.old-<pid>``, which :func:`load_sharded_checkpoint` falls back to).
 
-    Written to a temporary folder next to ``directory`` (files fsync'ed by
-    ``FileSystemWriter``), then renamed onto it, so a kill leaves the old checkpoint or
-    the new one, never a mix (between the two renames the old one is
-    ``.<name>.old-<pid>``, which :func:`load_sharded_checkpoint` falls back to). Works in
-    one process without a process group (SPMD); on a multi-host pod every host calls it
-    with shared storage.
+    One process needs no process group (SPMD on one host). On several hosts every host
+    calls it, on shared storage, after ``dist.init_process_group("gloo",
+    init_method="xla://")``: without a group each host would write as rank 0.
     """
-    import torch.distributed.checkpoint as dist_cp
-    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
-
     final = Path(directory)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        with warnings.catch_warnings():
-            for msg in _CHECKPOINT_NOISE:
-                warnings.filterwarnings("ignore", message=msg)
+        with _quiet():
             dist_cp.save(state_dict=dict(state_dict), storage_writer=dist_cp.FileSystemWriter(tmp),
                          planner=SPMDSavePlanner())
-        old = None
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        old = final.with_name(f".{final.name}.old-{os.getpid()}") if final.exists() else None
+        if old is not None:
             os.replace(final, old)  # a folder cannot be renamed over a full one
         os.replace(tmp, final)
-        fsync_dir(final.parent)
+        _fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -268,10 +255,18 @@ def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
     return final
 
 
+class ShardedCheckpointError(RuntimeError):
+    """A sharded checkpoint folder that cannot be loaded (or is refused), naming the file."""
+
+
+class _Refused(pickle.UnpicklingError):
+    """A class or function :class:`_MetadataUnpickler` does not allow."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a ``torch.distributed.checkpoint`` ``.metadata`` file, refusing any class
-    or function but the checkpoint metadata dataclasses, ``torch.Size``, dtypes and
-    paths: a crafted file cannot call ``os.system`` (plain ``pickle.load`` would)."""
+    """Unpickles ``.metadata`` allowing only the checkpoint metadata dataclasses,
+    ``torch.Size``, dtypes and paths: a crafted file cannot call ``os.system`` (plain
+    ``pickle.load``, which ``torch.distributed.checkpoint`` uses, would)."""
 
     _ALLOWED = {
         *(("torch.distributed.checkpoint.metadata", name) for name in (
@@ -280,64 +275,34 @@ class _MetadataUnpickler(pickle.Unpickler):
             "_MEM_FORMAT_ENCODING")),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"), ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+        *(("pathlib", name) for name in ("PosixPath", "PurePosixPath", "WindowsPath",
+                                         "PureWindowsPath")),
     }
 
-    def __init__(self, file: Any, source: Path) -> None:
-        super().__init__(file)
-        self.source = source
-
     def find_class(self, module: str, name: str) -> Any:
-        import importlib
-
         if (module, name) in self._ALLOWED:
             return getattr(importlib.import_module(module), name)
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise _Refused(f"{module}.{name}")
 
 
-class _Refused(pickle.UnpicklingError):
-    """A class or function :class:`_MetadataUnpickler` does not allow."""
-
-
-def _safe_reader(folder: Path):
-    """A ``FileSystemReader`` whose ``read_metadata`` uses :class:`_MetadataUnpickler` and
-    checks the result, so nothing in the folder can run code when it is loaded."""
-    import torch.distributed.checkpoint as dist_cp
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    class SafeFileSystemReader(dist_cp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            rank = kwargs.get("rank")  # torch 2.9 may ask for a rank's own file
-            path = folder / (".metadata" if rank is None else f"__{rank}.metadata")
-            try:
-                with open(path, "rb") as f:
-                    metadata = _MetadataUnpickler(f, path).load()
-            except _Refused as exc:
-                raise ShardedCheckpointError(
-                    f"{path}: refused: not a plain checkpoint metadata file, it asks to "
-                    f"build {exc} (only the checkpoint's own metadata classes are "
-                    "allowed; nothing from the file was run).") from None
-            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-                    IndexError, KeyError, OSError) as exc:
-                raise ShardedCheckpointError(f"{path}: corrupt or truncated checkpoint "
-                                             f"metadata ({type(exc).__name__}: {exc}).") from exc
-            _check_metadata(metadata, path, folder)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeFileSystemReader(folder)
-
-
-def _check_metadata(metadata: Any, path: Path, folder: Path) -> None:
-    """The metadata is a ``Metadata`` whose data files are plain names in ``folder``."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
+def _read_metadata(path: Path, folder: Path) -> Metadata:
+    """``path`` unpickled safely, then checked: a ``Metadata`` whose data files are plain
+    names inside ``folder`` (no ``../`` path traversal)."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _Refused as exc:
+        raise ShardedCheckpointError(
+            f"{path}: refused: not a plain checkpoint metadata file, it asks to build {exc} "
+            "(only the checkpoint's own metadata classes are allowed; nothing from the "
+            "file was run).") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+            IndexError, KeyError, OSError) as exc:
+        raise ShardedCheckpointError(f"{path}: corrupt or truncated checkpoint metadata "
+                                     f"({type(exc).__name__}: {exc}).") from exc
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise ShardedCheckpointError(f"{path}: not checkpoint metadata (found "
                                      f"{type(metadata).__name__}).")
@@ -346,36 +311,47 @@ def _check_metadata(metadata: Any, path: Path, folder: Path) -> None:
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
             raise ShardedCheckpointError(f"{path}: refused: names data file {name!r}, "
                                          f"which is not a file inside {folder}.")
+    return metadata
 
 
-class ShardedCheckpointError(RuntimeError):
-    """A sharded checkpoint folder that cannot be loaded (or is refused), naming the file."""
+class _SafeReader(dist_cp.FileSystemReader):
+    """A ``FileSystemReader`` whose ``read_metadata`` is :func:`_read_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        folder = Path(self.path)
+        rank = kwargs.get("rank")  # torch 2.9 may ask for a rank's own file
+        metadata = _read_metadata(folder / (".metadata" if rank is None
+                                            else f"__{rank}.metadata"), folder)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
-def load_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str]
-                            ) -> Mapping[str, Any]:
-    """Load a checkpoint written by :func:`save_sharded_checkpoint` into ``state_dict``,
-    in place: each device reads only its own shards, the shardings are kept.
+_safe_reader = _SafeReader
 
-    Nothing in the folder can run code: ``.metadata`` (which ``torch.distributed.checkpoint``
-    would unpickle with plain ``pickle``) is read by a restricted unpickler that allows
-    only the checkpoint's metadata classes, and the tensors with ``weights_only`` loading.
-    Checks first, on the host, that the folder is a checkpoint and that every tensor in
-    ``state_dict`` is in it with the same shape (a clear error naming the folder and the
-    key otherwise). Returns ``state_dict``.
-    """
-    import torch.distributed.checkpoint as dist_cp
-    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
+def _checkpoint_folder(directory: str | os.PathLike[str]) -> Path:
     folder = Path(directory)
     if not folder.exists():  # killed between save_sharded_checkpoint's two renames?
         previous = sorted(folder.parent.glob(f".{folder.name}.old-*"))
         if previous:
             warnings.warn(f"{folder} is missing; loading {previous[-1].name}, the checkpoint "
-                          "it replaced when a save was interrupted.", stacklevel=2)
+                          "it replaced when a save was interrupted.", stacklevel=3)
             folder = previous[-1]
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(f"{folder}: not a sharded checkpoint (no .metadata file)")
+    return folder
+
+
+def load_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str]
+                            ) -> Mapping[str, Any]:
+    """Load a :func:`save_sharded_checkpoint` folder into ``state_dict`` in place (the
+    model's own tensors: no ``load_state_dict`` needed); each device reads its own shards
+    and the shardings are kept. Nothing in the folder can run code (see
+    :class:`_MetadataUnpickler`). Names and shapes are checked on the host first; the
+    error names the folder and the key. Returns ``state_dict``."""
+    folder = _checkpoint_folder(directory)
     reader = _safe_reader(folder)
     saved = reader.read_metadata().state_dict_metadata
     for key, value in state_dict.items():
@@ -388,8 +364,6 @@ def load_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
         if size != tuple(value.shape):
             raise ValueError(f"{folder}: {key!r} has shape {size} in the checkpoint but "
                              f"{tuple(value.shape)} in the model")
-    with warnings.catch_warnings():
-        for msg in _CHECKPOINT_NOISE:
-            warnings.filterwarnings("ignore", message=msg)
+    with _quiet():
         dist_cp.load(state_dict=state_dict, storage_reader=reader, planner=SPMDLoadPlanner())
     return state_dict
