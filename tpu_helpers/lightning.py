@@ -2,7 +2,8 @@
 
 Taught in ``notebooks/06_lightning_on_tpu.ipynb``. Copy it with its two siblings,
 ``checkpoint.py`` (atomic writes, safe loading) and ``ordering.py`` (the rank-file format
-and the exactly-once merge), the one module allowed two.
+and the exactly-once merge), the one module allowed two, and save it under another name
+(e.g. ``tpu_lightning.py``): a ``lightning.py`` in your project hides the lightning package.
 
 * :func:`trainer_kwargs`: ``Trainer(**trainer_kwargs(devices))`` on a TPU: Lightning's own
   ``accelerator="tpu"``, your ``devices`` checked before anything starts, and
