@@ -1,23 +1,110 @@
-"""Course-only Lightning pieces for notebook 06: the digits LightningModule, a table of device
-choices and a callback counting compiles and transfers."""
+"""Course-only Lightning pieces for notebook 06 (and the Lightning row of ``make bench``).
+
+* :class:`XLACPUAccelerator` and :func:`trainer_kwargs_here`: the Trainer arguments for the
+  machine the course runs on. On a TPU they are the toolkit's
+  :func:`tpu_helpers.lightning.trainer_kwargs`; without one, the same arguments with
+  ``accelerator=XLACPUAccelerator()``, so Lightning's own TPU code path
+  (``SingleDeviceXLAStrategy``, ``XLAPrecision``, ``XLACheckpointIO``) runs on the XLA:CPU
+  device. This accelerator is emulation scaffolding (one device, four of Lightning's static
+  methods overridden), so it lives here and not in the toolkit a TPU user copies.
+* :func:`lightning_processes`, :func:`lightning_devices_table`, :func:`describe_choice`.
+* :class:`DigitsLightningModule`: :class:`course.models.DigitsCNN` as a LightningModule.
+* :class:`XLACountsCallback`: compiles, transfers and ``strategy.reduce`` calls per epoch
+  and per step, written per rank to a file (:func:`read_counts`): with several processes
+  the callback object in the notebook is not the one that ran.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import lightning as L
+import pandas as pd
 import torch
 import torch.nn.functional as F
+import torch_xla.core.xla_model as xm  # importing it does not start the runtime
+from lightning.pytorch.accelerators import XLAAccelerator
 
 from course.models import DigitsCNN
-from tpu_helpers.env import Runtime, detect_runtime, layout_for
-from tpu_helpers.lightning import LossLogging, XLACPUAccelerator
+from tpu_helpers.checkpoint import atomic_write
+from tpu_helpers.env import EnvironmentProblem, Runtime, detect_runtime, layout_for
+from tpu_helpers.lightning import trainer_kwargs
+from tpu_helpers.metrics import snapshot
+
+LossLogging = Literal["epoch", "logger", "prog_bar"]
+
+# --------------------------------------------------------------------------- which Trainer
+
+
+class XLACPUAccelerator(XLAAccelerator):
+    """Lightning's ``XLAAccelerator`` on the one XLA:CPU device (``PJRT_DEVICE=CPU``).
+
+    Lightning's own accelerator counts TPU chips, so without a TPU it reports "not
+    available". This subclass answers Lightning's device questions for one XLA:CPU device;
+    the rest is Lightning's TPU code, unchanged. Several devices are refused: Lightning's
+    ``XLAStrategy`` would fork one process per device, and cross-process collectives crash
+    on XLA:CPU (pytorch/xla issue 9089).
+    """
+
+    @staticmethod
+    def is_available() -> bool:
+        return os.environ.get("PJRT_DEVICE", "").upper() == "CPU"
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1
+
+    @staticmethod
+    def parse_devices(devices: Any) -> int | list[int]:
+        """``"auto"``, ``1``, ``"1"`` and ``[0]`` are the one device; the rest is refused."""
+        if devices in ("auto", 1, "1") and not isinstance(devices, bool):
+            return 1
+        if isinstance(devices, list | tuple) and list(devices) == [0]:
+            return [0]
+        raise ValueError(
+            f"devices={devices!r} cannot run on XLA:CPU: this emulation has one XLA device, "
+            "use devices=1, [0] or 'auto'. Lightning's XLAStrategy would fork one process per "
+            "device and cross-process collectives crash on XLA:CPU (pytorch/xla issue 9089).")
+
+    @staticmethod
+    def get_parallel_devices(devices: int | list[int]) -> list[torch.device]:
+        return [torch.device("xla", 0)]
+
+    @staticmethod
+    def name() -> str:
+        return "xla_cpu"
+
+
+def trainer_kwargs_here(devices: Any = "auto", runtime: Runtime | None = None) -> dict[str, Any]:
+    """:func:`tpu_helpers.lightning.trainer_kwargs` on a TPU; with :class:`XLACPUAccelerator`
+    (``devices`` checked at once) on a machine without one."""
+    rt = runtime or detect_runtime()
+    if rt.has_tpu:
+        return trainer_kwargs(devices)
+    if not XLACPUAccelerator.is_available():
+        raise EnvironmentProblem(
+            "No TPU here and PJRT_DEVICE is not CPU: call "
+            "tpu_helpers.env.configure_emulation(num_devices=1) before building the Trainer.")
+    return trainer_kwargs(XLACPUAccelerator.parse_devices(devices),
+                          accelerator=XLACPUAccelerator())
+
+
+def lightning_processes(devices: Any, runtime: Runtime | None = None) -> int:
+    """How many processes ``Trainer(**trainer_kwargs_here(devices)).fit`` runs: 1 for one
+    device (no fork), else one per device (v2/v3: one per chip, 2 threads each)."""
+    rt = runtime or detect_runtime()
+    if not rt.has_tpu or devices == 1 or isinstance(devices, list | tuple):
+        return 1
+    return rt.layout.processes if rt.layout.world_size > 1 else 1
 
 
 def describe_choice(kwargs: Mapping[str, Any], runtime: Runtime | None = None) -> str:
-    """One sentence saying which accelerator :func:`trainer_kwargs` chose and why."""
+    """One sentence saying which accelerator the Trainer arguments name and why."""
     rt = runtime or detect_runtime()
     accel = kwargs["accelerator"]
     if isinstance(accel, XLACPUAccelerator):
@@ -27,14 +114,8 @@ def describe_choice(kwargs: Mapping[str, Any], runtime: Runtime | None = None) -
     return f"{rt.summary()}: Trainer(accelerator={accel!r}, devices={kwargs['devices']!r})."
 
 
-def lightning_devices_table():
-    """What ``Trainer(accelerator="tpu", devices=...)`` means per single-host TPU, as a DataFrame.
-
-    ``devices="auto"`` is every XLA device on the host (chips x devices per chip, the
-    world size of ``torch_xla.launch``); Lightning accepts only 1, that number, or ``[i]``.
-    """
-    import pandas as pd
-
+def lightning_devices_table() -> pd.DataFrame:
+    """What ``Trainer(accelerator="tpu", devices=...)`` means per single-host TPU."""
     rows = []
     for accel, gen, chips in [("v2-8 / v3-8", "v3", 4), ("v4-8", "v4", 4),
                               ("v5e-1 (Colab)", "v5e", 1), ("v5e-8 (Kaggle)", "v5e", 8),
@@ -45,29 +126,24 @@ def lightning_devices_table():
         many = (f"XLAStrategy: {lay.processes} processes x {lay.devices_per_process} "
                 "threads" if lay.devices_per_process > 1 else
                 f"XLAStrategy: {lay.processes} processes")
-        rows.append({
-            "TPU": accel,
-            'devices="auto"': n,
-            "accepted devices": "1, [i]" if n == 1 else f"1, {n}, [0]..[{n - 1}]",
-            "devices=1 or [i]": "SingleDeviceXLAStrategy, 1 process",
-            "devices=all": "same as 1" if n == 1 else many,
-        })
+        rows.append({"TPU": accel, 'devices="auto"': n,
+                     "accepted devices": "1, [i]" if n == 1 else f"1, {n}, [0]..[{n - 1}]",
+                     "devices=1 or [i]": "SingleDeviceXLAStrategy, 1 process",
+                     "devices=all": "same as 1" if n == 1 else many})
     return pd.DataFrame(rows).set_index("TPU")
 
 
+# --------------------------------------------------------------------------- the model
+
+
 class DigitsLightningModule(L.LightningModule):
-    """:class:`tpu_helpers.models.DigitsCNN` as a LightningModule (batches are ``(x, y, ...)``).
+    """:class:`course.models.DigitsCNN` as a LightningModule (batches are ``(x, y, ...)``).
 
-    ``loss_logging`` says how the training loss is logged:
-
-    * ``"epoch"`` (default): ``on_step=False, on_epoch=True, sync_dist=True``: the loss is
-      accumulated on the device and reduced once per epoch; no host sync per step.
-    * ``"logger"``: also the per-step loss for the logger only (``prog_bar=False``, no
-      ``sync_dist``): read every ``log_every_n_steps`` steps.
-    * ``"prog_bar"``: the common ``on_step=True, prog_bar=True, sync_dist=True``: Lightning
-      turns progress-bar values into Python floats after every step (a device-to-host
-      transfer) and, on several TPU devices, ``sync_dist`` is an ``xm.mesh_reduce`` (a
-      host round trip) at every ``self.log`` call.
+    ``loss_logging``: ``"epoch"`` (``on_step=False, on_epoch=True, sync_dist=True``: reduced
+    once per epoch, no host sync per step), ``"logger"`` (also the per-step loss for the
+    logger only, read every ``log_every_n_steps``) or ``"prog_bar"`` (the common
+    ``on_step=True, prog_bar=True, sync_dist=True``: a device-to-host transfer after every
+    step and, on several devices, a reduce at every ``self.log`` call).
     """
 
     def __init__(self, lr: float = 3e-3, weight_decay: float = 1e-4,
@@ -83,24 +159,18 @@ class DigitsLightningModule(L.LightningModule):
         return self.model(x)
 
     def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch[0], batch[1]
-        loss = F.cross_entropy(self(x), y)
-        if self.hparams.loss_logging == "prog_bar":
-            self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True,
-                     sync_dist=True)
-        else:
-            self.log("train_loss", loss, on_step=False, on_epoch=True, prog_bar=True,
-                     sync_dist=True)
-            if self.hparams.loss_logging == "logger":
-                self.log("train_loss_step", loss, on_step=True, on_epoch=False,
-                         prog_bar=False, logger=True)
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        per_step = self.hparams.loss_logging == "prog_bar"
+        self.log("train_loss", loss, on_step=per_step, on_epoch=True, prog_bar=True,
+                 sync_dist=True)
+        if self.hparams.loss_logging == "logger":
+            self.log("train_loss_step", loss, on_step=True, on_epoch=False, prog_bar=False)
         return loss
 
     def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
-        x, y = batch[0], batch[1]
-        logits = self(x)
-        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
-        self.log("val_acc", (logits.argmax(dim=1) == y).float().mean(), prog_bar=True,
+        logits = self(batch[0])
+        self.log("val_loss", F.cross_entropy(logits, batch[1]), sync_dist=True)
+        self.log("val_acc", (logits.argmax(dim=1) == batch[1]).float().mean(), prog_bar=True,
                  sync_dist=True)
 
     def predict_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -111,92 +181,96 @@ class DigitsLightningModule(L.LightningModule):
                                  weight_decay=self.hparams.weight_decay)
 
 
+# --------------------------------------------------------------------------- measuring
+
+
+def _wait(pl_module: L.LightningModule) -> None:
+    if pl_module.device.type == "xla":
+        xm.wait_device_ops()  # the step's device work is finished: its time is real
+
+
 class XLACountsCallback(L.Callback):
     """Per epoch and per training step: what XLA did (:func:`tpu_helpers.metrics.snapshot`).
 
-    ``epochs``: one dict per training epoch (validation inside it included) with the
-    :class:`~tpu_helpers.metrics.Counts` fields, ``steps``, ``seconds``, ``train_seconds``
-    (first step start to last step end, device work finished) and ``reduce_calls`` (calls
-    of ``trainer.strategy.reduce``, which is what ``sync_dist=True`` does: one
-    ``xm.mesh_reduce`` host round trip each with several TPU devices; always 0 on one
-    device, where Lightning skips ``sync_dist``). ``step_transfers_from_device``: for each step
-    but an epoch's last, the device-to-host transfers from its start to the next step's
-    start (the progress bar and the logger included). :meth:`frame` gives ``epochs`` as
-    a DataFrame.
+    ``epochs``: one dict per training epoch with the ``Counts`` fields, ``steps``,
+    ``seconds``, ``train_seconds`` (first step start to last step end) and ``reduce_calls``
+    (``trainer.strategy.reduce``, what ``sync_dist=True`` calls; 0 on one device, where
+    Lightning skips it). ``step_transfers_from_device``: per step but an epoch's last, the
+    device-to-host transfers from its start to the next step's start. With ``out_dir``,
+    every rank writes ``counts-rankNNNNN.json`` there when training ends (:func:`read_counts`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, out_dir: str | Path | None = None) -> None:
+        self.out_dir = None if out_dir is None else Path(out_dir)
         self.epochs: list[dict[str, Any]] = []
         self.step_transfers_from_device: list[int] = []
 
-    # strategy.reduce is what sync_dist=True calls. Count it with a wrapper installed once
-    # per strategy and never swapped back: Lightning stores the function in each logged
-    # metric's metadata, and a different function on the next fit (same Trainer) would
-    # fail its "self.log called twice with different arguments" check.
+    # Count strategy.reduce with a wrapper installed once per strategy and never swapped back:
+    # Lightning stores the function in each logged metric's metadata, and a different one on
+    # the next fit (same Trainer) fails its "self.log called with different arguments" check.
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        reduce = strategy.reduce
+        reduce = trainer.strategy.reduce
         if not hasattr(reduce, "calls"):
             def counted_reduce(*args: Any, **kwargs: Any) -> Any:
                 counted_reduce.calls += 1  # type: ignore[attr-defined]
                 return reduce(*args, **kwargs)
 
             counted_reduce.calls = 0  # type: ignore[attr-defined]
-            strategy.reduce = counted_reduce  # type: ignore[method-assign]
-        self._reduce = strategy.reduce
-
-    @property
-    def _reduce_calls(self) -> int:
-        return int(getattr(getattr(self, "_reduce", None), "calls", 0))
+            trainer.strategy.reduce = counted_reduce  # type: ignore[method-assign]
+        self._reduce = trainer.strategy.reduce
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from tpu_helpers.metrics import snapshot
-
-        self._epoch_start = snapshot()
-        self._epoch_time = time.perf_counter()
-        self._epoch_reduce = self._reduce_calls
-        self._steps = 0
-        self._last_step: Any = None
-        self._first_step_time: float | None = None
-        self._last_step_time: float | None = None
+        self._start, self._time = snapshot(), time.perf_counter()
+        self._reduce_start = self._reduce.calls
+        self._steps, self._last, self._first_time = 0, None, None
+        self._last_time = self._time
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:
-        from tpu_helpers.metrics import snapshot
-
         now = snapshot()
-        if self._last_step is not None:
+        if self._last is not None:
             self.step_transfers_from_device.append(
-                now.transfers_from_device - self._last_step.transfers_from_device)
-        self._last_step = now
-        if self._first_step_time is None:
-            self._first_step_time = time.perf_counter()
+                now.transfers_from_device - self._last.transfers_from_device)
+        self._last = now
+        if self._first_time is None:
+            self._first_time = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         self._steps += 1
         if batch_idx + 1 == trainer.num_training_batches:
-            import torch_xla.core.xla_model as xm
-
-            xm.wait_device_ops()
-        self._last_step_time = time.perf_counter()
+            _wait(pl_module)
+        self._last_time = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        import torch_xla.core.xla_model as xm
-
-        from tpu_helpers.metrics import snapshot
-
-        xm.wait_device_ops()
-        counts = snapshot() - self._epoch_start
-        train_seconds = ((self._last_step_time or 0.0) - (self._first_step_time or 0.0))
+        _wait(pl_module)
+        counts = snapshot() - self._start
         self.epochs.append({
             "epoch": trainer.current_epoch, "steps": self._steps,
-            "seconds": time.perf_counter() - self._epoch_time,
-            "train_seconds": train_seconds, **counts.as_dict(),
-            "reduce_calls": self._reduce_calls - self._epoch_reduce,
-        })
+            "seconds": time.perf_counter() - self._time,
+            "train_seconds": self._last_time - (self._first_time or self._last_time),
+            **counts.as_dict(), "reduce_calls": self._reduce.calls - self._reduce_start})
 
-    def frame(self):
-        import pandas as pd
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.out_dir is None:
+            return
+        record = {"rank": trainer.global_rank, "world_size": trainer.world_size,
+                  "epochs": self.epochs, "step_transfers_from_device":
+                  self.step_transfers_from_device}
+        path = self.out_dir / f"counts-rank{trainer.global_rank:05d}.json"
+        atomic_write(path, lambda f: f.write(json.dumps(record).encode()))
 
+    def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.epochs).set_index("epoch")
+
+
+def read_counts(out_dir: str | Path) -> dict[int, XLACountsCallback]:
+    """Every rank's :class:`XLACountsCallback` as its process left it, by rank."""
+    ranks = {}
+    for path in sorted(Path(out_dir).glob("counts-rank*.json")):
+        record = json.loads(path.read_text())
+        counts = XLACountsCallback()
+        counts.epochs = record["epochs"]
+        counts.step_transfers_from_device = record["step_transfers_from_device"]
+        ranks[int(record["rank"])] = counts
+    return ranks

@@ -1,4 +1,5 @@
-"""Lightning's own XLA code path on XLA:CPU: accelerator choice, fit, checkpoint, predict, re-run.
+"""Lightning's own XLA code path on XLA:CPU: accelerator choice, fit, checkpoint, predict, re-run,
+and the Lightning internals notebook 06 describes (probed here, not in the notebook).
 
 Real Lightning 2.6, real torch_xla on the XLA:CPU device (one device, set in conftest).
 """
@@ -25,44 +26,58 @@ from course.datasets import load_digits
 from course.lightning_demo import (
     DigitsLightningModule,
     XLACountsCallback,
+    XLACPUAccelerator,
     describe_choice,
     lightning_devices_table,
+    lightning_processes,
+    trainer_kwargs_here,
 )
 from tpu_helpers.data import ArrayDataset
 from tpu_helpers.env import EnvironmentProblem, Runtime, layout_for
 from tpu_helpers.lightning import (
     AtomicXLACheckpointIO,
     ExactlyOncePredictionWriter,
-    XLACPUAccelerator,
     read_predictions,
     trainer_kwargs,
 )
 
 QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+V5E_8 = Runtime(platform="kaggle", tpu_generation="v5e", chips=8, layout=layout_for("v5e", 8))
 
 
 # --------------------------------------------------------------------------- choice
 
 
-def test_trainer_kwargs_here_pick_the_xla_cpu_accelerator():
-    kw = trainer_kwargs()
+def test_toolkit_trainer_kwargs_is_lightnings_tpu_accelerator_plus_atomic_checkpoints():
+    for devices in ("auto", 1, 8, [3], "8"):
+        kw = trainer_kwargs(devices)
+        assert kw["accelerator"] == "tpu" and kw["devices"] == devices
+        assert [type(p) for p in kw["plugins"]] == [AtomicXLACheckpointIO]
+    cpu = XLACPUAccelerator()
+    assert trainer_kwargs(1, accelerator=cpu)["accelerator"] is cpu
+
+
+def test_course_trainer_kwargs_pick_the_xla_cpu_accelerator_here():
+    kw = trainer_kwargs_here()
     assert isinstance(kw["accelerator"], XLACPUAccelerator)
     assert kw["devices"] == 1
     assert [type(p) for p in kw["plugins"]] == [AtomicXLACheckpointIO]
     assert "(SingleDeviceXLAStrategy) on the XLA:CPU device" in describe_choice(kw)
+    assert lightning_processes("auto") == 1
 
 
-def test_trainer_kwargs_on_a_tpu_pass_devices_to_lightnings_tpu_accelerator():
-    tpu = Runtime(platform="tpu-vm", tpu_generation="v5e", chips=8,
-                  layout=layout_for("v5e", 8))
+def test_course_trainer_kwargs_on_a_tpu_are_the_toolkits():
     for devices in ("auto", 1, 8, [3]):
-        kw = trainer_kwargs(devices, runtime=tpu)
+        kw = trainer_kwargs_here(devices, runtime=V5E_8)
         assert kw["accelerator"] == "tpu" and kw["devices"] == devices
     assert "Trainer(accelerator='tpu', devices=8)" in describe_choice(
-        trainer_kwargs(8, runtime=tpu), runtime=tpu)
+        trainer_kwargs_here(8, runtime=V5E_8), runtime=V5E_8)
+    assert [lightning_processes(d, V5E_8) for d in ("auto", 8, 1, [2])] == [8, 8, 1, 1]
+    v3 = Runtime(platform="tpu-vm", tpu_generation="v3", chips=4, layout=layout_for("v3", 4))
+    assert lightning_processes("auto", v3) == 4  # 4 processes x 2 threads
 
 
-@pytest.mark.parametrize("devices", ["auto", 1, "1", [0], "0,"])
+@pytest.mark.parametrize("devices", ["auto", 1, "1", [0]])
 def test_xla_cpu_accepts_one_device(devices):
     assert XLACPUAccelerator.parse_devices(devices) in (1, [0])
 
@@ -70,20 +85,19 @@ def test_xla_cpu_accepts_one_device(devices):
 @pytest.mark.parametrize("devices", [8, 2, [1], "2"])
 def test_xla_cpu_refuses_several_devices_with_the_reason(devices):
     with pytest.raises(ValueError, match="pytorch/xla issue 9089"):
-        trainer_kwargs(devices)
+        trainer_kwargs_here(devices)
 
 
 @pytest.mark.parametrize("devices", [0, -1, [0, 1], "x", None, 1.5, True])
 def test_devices_lightning_would_refuse_fail_before_the_trainer(devices):
-    tpu = Runtime(platform="tpu-vm", tpu_generation="v4", chips=4, layout=layout_for("v4", 4))
     with pytest.raises(ValueError, match="Lightning 2.6 on TPU takes"):
-        trainer_kwargs(devices, runtime=tpu)
+        trainer_kwargs(devices)
 
 
 def test_without_pjrt_cpu_the_fix_is_named(monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     with pytest.raises(EnvironmentProblem, match="configure_emulation"):
-        trainer_kwargs(runtime=Runtime(platform="local"))
+        trainer_kwargs_here(runtime=Runtime(platform="local"))
 
 
 def test_devices_table_matches_lightnings_own_rule(monkeypatch):
@@ -133,7 +147,7 @@ def fitted(digits, tmp_path_factory):
 def make_trainer(ckpt_dir):
     counts = XLACountsCallback()
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_acc", mode="max")
-    trainer = Trainer(**trainer_kwargs(), max_epochs=3, limit_train_batches=8,
+    trainer = Trainer(**trainer_kwargs_here(), max_epochs=3, limit_train_batches=8,
                       callbacks=[counts, checkpoint], **QUIET)
     return trainer, counts, checkpoint
 
@@ -189,16 +203,18 @@ def test_predict_with_the_writer_equals_a_plain_forward_pass(fitted, digits, tmp
     _, model, _, _ = fitted
     _, test = digits
     writer = ExactlyOncePredictionWriter(tmp_path)
-    trainer = Trainer(**trainer_kwargs(), callbacks=[writer], **QUIET)
+    trainer = Trainer(**trainer_kwargs_here(), callbacks=[writer], **QUIET)
     returned = trainer.predict(model, DataLoader(test, batch_size=100))
     assert len(returned) == 4  # one device: Lightning also returns them (not on 8 cores)
     merged = read_predictions(tmp_path)
     np.testing.assert_array_equal(merged.index, np.arange(len(test)))
     with torch.no_grad():
         plain = copy.deepcopy(model).cpu().eval()(torch.from_numpy(test.images))
-    torch.testing.assert_close(merged.values, plain, atol=1e-5, rtol=1e-5)
-    assert torch.equal(merged.values.argmax(1), plain.argmax(1))
-    np.testing.assert_array_equal(writer.as_array(), merged.values.numpy())
+    np.testing.assert_allclose(merged.values, plain.numpy(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(merged.values.argmax(1), plain.argmax(1).numpy())
+    np.testing.assert_array_equal(writer.predictions.values, merged.values)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.json",
+                                                          "rank00000-of-00001.npz"]
 
 
 def test_refit_in_the_same_process_works_and_compiles_nothing_new(fitted, digits, tmp_path):
@@ -282,3 +298,70 @@ def test_sync_dist_on_step_reduces_every_step_on_a_distributed_strategy(tmp_path
     for rank in (0, 1):
         assert f"rank {rank} prog_bar: 4 reduce calls in 4 steps" in proc.stdout, proc.stdout
         assert f"rank {rank} epoch: 0 reduce calls in 4 steps" in proc.stdout, proc.stdout
+
+
+# --------------------------------------------------------------------------- internals
+# What notebook 06's "Lightning does / does not" table says about Lightning 2.6, probed here
+# (not in the notebook) so that a Lightning upgrade fails a test, not a lesson.
+
+
+def test_lightning_picks_its_samplers_for_several_devices():
+    from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
+    from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.utils.data import DistributedSampler
+
+    loader = DataLoader(list(range(360)), batch_size=100)
+    train = _get_distributed_sampler(loader, shuffle=True, overfit_batches=0,
+                                     mode=RunningStage.TRAINING, num_replicas=8, rank=0)
+    predict = _get_distributed_sampler(loader, shuffle=False, overfit_batches=0,
+                                       mode=RunningStage.PREDICTING, num_replicas=8, rank=0)
+    assert type(train) is DistributedSampler
+    assert type(predict) is UnrepeatedDistributedSamplerWrapper
+
+
+def test_forking_launchers_do_not_return_predictions():
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+    from lightning.pytorch.strategies.launchers.xla import _XLALauncher
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    assert issubclass(_XLALauncher, _MultiProcessingLauncher)  # XLAStrategy forks like ddp_fork
+    forking = Trainer(accelerator="cpu", devices=2, strategy="ddp_notebook", **QUIET)
+    forking.predict_loop.return_predictions = None  # trainer.predict's default
+    assert forking.predict_loop.return_predictions is False
+    with pytest.raises(MisconfigurationException, match="return_predictions"):
+        forking.predict_loop.return_predictions = True
+
+
+def test_xla_strategy_wraps_loaders_in_mp_device_loader_only_on_several_devices():
+    import torch_xla.distributed.parallel_loader as pl
+    from lightning.pytorch.strategies import Strategy, XLAStrategy
+
+    assert SingleDeviceXLAStrategy.process_dataloader is Strategy.process_dataloader
+    strategy = XLAStrategy()
+    strategy._launched = True  # as in a forked rank; here the one XLA:CPU device
+    wrapped = strategy.process_dataloader(DataLoader(list(range(4)), batch_size=2))
+    assert isinstance(wrapped, pl.MpDeviceLoader)
+
+
+def test_xla_precision_and_strategy_internals_the_notebook_names():
+    """Source canaries (tests only): names a Lightning upgrade may change."""
+    import inspect
+
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
+    from lightning.pytorch.strategies import StrategyRegistry, XLAStrategy
+
+    assert "reduce_gradients" in inspect.getsource(XLAPrecision)
+    assert "broadcast_master_param" in inspect.getsource(XLAStrategy.setup)
+    assert "mesh_reduce" in inspect.getsource(XLAStrategy.reduce)
+    assert "xla" in StrategyRegistry and "xla_fsdp" not in StrategyRegistry
+    assert "xla_fsdp" in FABRIC_STRATEGIES
+
+
+def test_a_module_left_in_eval_mode_trains_as_it_is_with_a_warning(digits):
+    train, _ = digits
+    model = DigitsLightningModule().eval()
+    trainer = Trainer(**trainer_kwargs_here(), max_epochs=1, limit_train_batches=1,
+                      enable_checkpointing=False, **QUIET)
+    with pytest.warns(UserWarning, match="eval mode"):
+        trainer.fit(model, DataLoader(train, batch_size=32, drop_last=True))

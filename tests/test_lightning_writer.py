@@ -10,7 +10,10 @@ a real multi-process ``trainer.predict`` (gloo, CPU) with the writer.
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -26,11 +29,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from tpu_helpers.lightning import (
     MERGED_FILE,
     ExactlyOncePredictionWriter,
-    merge_rank_files,
     rank_file,
     read_predictions,
 )
-from tpu_helpers.predict import PredictionError
+from tpu_helpers.ordering import PredictionError, merge_rank_files
 
 ROW = 3
 
@@ -84,11 +86,11 @@ def test_lightning_predict_sampler_records_merge_exactly_once(tmp_path, world_si
                                                               batch_size):
     merged, writer = run_ranks(tmp_path, n, batch_size, world_size)
     np.testing.assert_array_equal(merged.index, np.arange(n))
-    np.testing.assert_array_equal(merged.values.numpy(), expected(n))
+    np.testing.assert_array_equal(merged.values, expected(n))
     assert merged.duplicates == 0  # the unrepeated sampler never repeats
-    np.testing.assert_array_equal(writer.as_array(), expected(n))
+    np.testing.assert_array_equal(writer.predictions.values, expected(n))
     again = read_predictions(tmp_path)
-    np.testing.assert_array_equal(again.values.numpy(), expected(n))
+    np.testing.assert_array_equal(again.values, expected(n))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [MERGED_FILE] + [rank_file(tmp_path, r, world_size).name for r in range(world_size)])
 
@@ -99,7 +101,7 @@ def test_repeating_distributed_sampler_is_deduplicated(tmp_path, world_size, sam
     n, batch_size = 37, 4
     merged, _ = run_ranks(tmp_path, n, batch_size, world_size, sampler=sampler)
     np.testing.assert_array_equal(merged.index, np.arange(n))
-    np.testing.assert_array_equal(merged.values.numpy(), expected(n))
+    np.testing.assert_array_equal(merged.values, expected(n))
     padded_total = -(-n // world_size) * world_size
     assert merged.duplicates == padded_total - n
 
@@ -114,13 +116,13 @@ def test_a_missing_rank_file_is_named(tmp_path):
     for batch_idx, (batch, indices) in enumerate(lightning_rank_batches(20, 4, 2, 0)):
         writer.write_on_batch_end(None, None, fake_predict(batch), indices, batch, batch_idx, 0)
     writer.save_rank(0, 2, 20)
-    with pytest.raises(PredictionError, match=r"rank00001-of-00002\.pt: missing; rank 1"):
+    with pytest.raises(PredictionError, match=r"rank00001-of-00002\.npz"):
         merge_rank_files(tmp_path, 2, 20)
 
 
 def test_rank_files_for_another_dataset_are_refused(tmp_path):
     run_ranks(tmp_path, 20, 4, 2)
-    with pytest.raises(PredictionError, match="written for 20 samples on 2 ranks"):
+    with pytest.raises(PredictionError, match=r"rank00000-of-00002\.npz"):
         merge_rank_files(tmp_path, 2, 21)
 
 
@@ -136,18 +138,51 @@ def test_bad_batches_are_refused_with_the_batch_named(tmp_path):
         writer.write_on_batch_end(None, None, torch.zeros(1, 3), [0], None, 0, 1)
 
 
-def test_files_are_written_atomically_and_load_safely(tmp_path):
+def test_files_are_written_atomically_and_are_plain_arrays(tmp_path):
     run_ranks(tmp_path, 20, 4, 3)
     leftovers = [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
     assert leftovers == []
-    record = torch.load(rank_file(tmp_path, 1, 3), weights_only=True)
-    assert record["index"].dtype == torch.int64 and record["mask"].all()
-    assert record["values"].shape == (len(record["index"]), ROW)
+    with np.load(rank_file(tmp_path, 1, 3), allow_pickle=False) as z:  # no pickled objects
+        assert all(z[k].dtype != object for k in z.files)
+    assert json.loads((tmp_path / MERGED_FILE).read_text())["world_size"] == 3
 
 
 def test_read_predictions_without_a_merge_says_so(tmp_path):
-    with pytest.raises(PredictionError, match="predictions.pt: missing"):
+    with pytest.raises(PredictionError, match="merged.json: missing"):
         read_predictions(tmp_path)
+
+
+class Payload:
+    """Unpickling this would create the marker file: proof that loading ran code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_crafted_rank_and_merge_files_are_refused_without_running_code(tmp_path):
+    marker = tmp_path / "ran"
+    writer = ExactlyOncePredictionWriter(tmp_path / "out")
+    writer.write_on_batch_end(None, None, torch.zeros(2, ROW), [0, 1], None, 0, 0)
+    writer.save_rank(0, 1, 2)
+    evil = np.empty((2, ROW), dtype=object)
+    evil[:] = Payload(marker)
+    path = rank_file(tmp_path / "out", 0, 1)
+    buf = io.BytesIO()
+    np.savez(buf, index=np.arange(2), mask=np.ones(2, bool), values=evil)
+    path.write_bytes(buf.getvalue())
+    (tmp_path / "out" / MERGED_FILE).write_text(json.dumps({"world_size": 1, "n": 2}))
+    with pytest.raises(PredictionError, match=r"rank00000-of-00001\.npz"):
+        read_predictions(tmp_path / "out")
+    path.write_bytes(pickle.dumps(Payload(marker)))  # not even an npz
+    with pytest.raises(PredictionError, match=r"rank00000-of-00001\.npz"):
+        read_predictions(tmp_path / "out")
+    (tmp_path / "out" / MERGED_FILE).write_text("{not json")
+    with pytest.raises(PredictionError, match=r"merged\.json: not a readable"):
+        read_predictions(tmp_path / "out")
+    assert not marker.exists()
 
 
 SCRIPT = """
@@ -183,8 +218,8 @@ if __name__ == "__main__":
             reference = model.lin(x)
         merged = read_predictions(out)
         assert np.array_equal(merged.index, np.arange(n))
-        torch.testing.assert_close(merged.values, reference)
-        assert torch.equal(writer.predictions.values, merged.values)
+        np.testing.assert_allclose(merged.values, reference.numpy(), rtol=1e-6, atol=1e-6)
+        assert np.array_equal(writer.predictions.values, merged.values)
         # what trainer.predict itself returned on rank 0: only this rank's share
         rows = sum(len(r) for r in returned)
         print(f"OK world_size={trainer.world_size} rank0_returned_rows={rows} of {n}")
@@ -204,6 +239,6 @@ def test_real_multiprocess_predict_with_gloo(tmp_path, repo):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK world_size=3 rank0_returned_rows=13 of 37" in proc.stdout, proc.stdout
     assert sorted(p.name for p in out.iterdir()) == [
-        "predictions.pt", "rank00000-of-00003.pt", "rank00001-of-00003.pt",
-        "rank00002-of-00003.pt"]
+        "merged.json", "rank00000-of-00003.npz", "rank00001-of-00003.npz",
+        "rank00002-of-00003.npz"]
 

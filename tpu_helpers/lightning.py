@@ -1,258 +1,150 @@
-"""PyTorch Lightning 2.6 on TPU: the Trainer arguments, the digits model, exactly-once predictions.
+"""PyTorch Lightning 2.6 on TPU: Trainer arguments, atomic checkpoints, exactly-once predictions.
 
-Taught in ``notebooks/06_lightning_on_tpu.ipynb``; ``benchmarks/bench_training.py`` uses
-:func:`trainer_kwargs`, :class:`DigitsLightningModule` and :class:`XLACountsCallback` for
-its Lightning row.
+Taught in ``notebooks/06_lightning_on_tpu.ipynb``. Copy it with its two siblings,
+``checkpoint.py`` (atomic writes, safe loading) and ``ordering.py`` (the rank-file format
+and the exactly-once merge), the one module allowed two, and save it under another name
+(e.g. ``tpu_lightning.py``): a ``lightning.py`` in your project hides the lightning package.
 
-* :func:`trainer_kwargs`: ``Trainer(**trainer_kwargs(devices))``. On a TPU it is
-  Lightning's own ``accelerator="tpu"``; on a machine without TPU it is
-  :class:`XLACPUAccelerator`, a small subclass of Lightning's ``XLAAccelerator`` that
-  makes Lightning's XLA code path (``SingleDeviceXLAStrategy``, ``XLAPrecision``,
-  ``XLACheckpointIO``) run on the XLA:CPU device. The choice comes from
-  :func:`tpu_helpers.env.detect_runtime`. Both add :class:`AtomicXLACheckpointIO`
-  (Lightning's ``XLACheckpointIO`` writes checkpoints in place, not atomically).
-* :class:`DigitsLightningModule`: :class:`course.models.DigitsCNN` as a
-  LightningModule, with the loss logged so that it does not force a host sync per step.
-* :class:`XLACountsCallback`: compiles, transfers and ``strategy.reduce`` calls per epoch
-  and per training step, from :mod:`tpu_helpers.metrics`.
-* :class:`ExactlyOncePredictionWriter`: a ``BasePredictionWriter`` for
-  ``trainer.predict`` on any number of devices (Lightning issue 7755: ``trainer.predict``
-  returns ``None`` when it runs in several processes). Every rank records the dataset
-  indices Lightning's sampler gave each batch and writes one file; rank 0 merges the files
-  with :func:`tpu_helpers.predict.exactly_once` (order by dataset index, drop repeats,
-  check that every index ``0..len(dataset)-1`` is there).
+* :func:`trainer_kwargs`: ``Trainer(**trainer_kwargs(devices))`` on a TPU: Lightning's own
+  ``accelerator="tpu"``, your ``devices`` checked before anything starts, and
+  :class:`AtomicXLACheckpointIO`. Without a TPU it does not pick anything for you: Lightning's
+  TPU accelerator is "not available" there. The course runs the same code on the XLA:CPU
+  device through a small accelerator of its own (``course.lightning_demo.XLACPUAccelerator``,
+  passed as ``accelerator=``): emulation scaffolding a TPU user never needs.
+* :class:`AtomicXLACheckpointIO`: Lightning's ``XLACheckpointIO`` writes its checkpoint with a
+  plain ``torch.save`` onto the final name; this one writes through
+  :func:`checkpoint.atomic_write` and loads through :func:`checkpoint.load_checkpoint`
+  (tensors and plain containers only: a crafted checkpoint cannot run code).
+* :class:`ExactlyOncePredictionWriter`: ``trainer.predict`` returns ``None`` when Lightning
+  runs several processes (8 on a v5e-8; Lightning issue 7755). Every rank records the dataset
+  indices Lightning's sampler put in each batch, writes one rank file
+  (:func:`ordering.save_rank_file`, atomically), and rank 0 merges them with
+  :func:`ordering.merge_rank_files`: in dataset order, repeats dropped, every index
+  ``0..len(dataset)-1`` checked. :func:`read_predictions` gives the result in any process.
 
-Importing this module imports Lightning but does not touch the XLA device.
+Importing this module imports Lightning and torch_xla but does not touch the XLA device.
 """
 
 from __future__ import annotations
 
-import os
+import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
+import torch_xla.core.xla_model as xm  # importing it does not start the runtime
 from lightning.fabric.plugins import XLACheckpointIO
-from lightning.pytorch.accelerators import XLAAccelerator
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from tpu_helpers.checkpoint import load_checkpoint, write_atomically
-from tpu_helpers.env import EnvironmentProblem, Runtime, detect_runtime
-from tpu_helpers.predict import Ordered, PredictionError, exactly_once
+try:  # in the tpu_helpers package
+    from tpu_helpers.checkpoint import atomic_write, load_checkpoint
+    from tpu_helpers.ordering import (
+        Ordered,
+        PredictionError,
+        merge_rank_files,
+        rank_file_name,
+        save_rank_file,
+    )
+except ImportError:  # copied into your project next to checkpoint.py and ordering.py
+    from checkpoint import atomic_write, load_checkpoint
+    from ordering import Ordered, PredictionError, merge_rank_files, rank_file_name, save_rank_file
 
-# --------------------------------------------------------------------------- accelerator
+#: Written by rank 0 once every rank file is merged: which files make up the result.
+MERGED_FILE = "merged.json"
 
-
-class XLACPUAccelerator(XLAAccelerator):
-    """Lightning's ``XLAAccelerator`` on the XLA:CPU device (``PJRT_DEVICE=CPU``), one device.
-
-    Lightning's own accelerator counts TPU chips on PCI, so without a TPU it reports
-    "not available". This subclass answers the four questions Lightning asks about
-    devices (is it available, how many, which ones) for one XLA:CPU device; everything
-    else (``SingleDeviceXLAStrategy``, ``XLAPrecision``, ``XLACheckpointIO``) is
-    Lightning's unchanged TPU code. Several devices are refused: Lightning's
-    ``XLAStrategy`` would fork one process per device, and cross-process collectives
-    crash on XLA:CPU (pytorch/xla issue 9089).
-    """
-
-    @staticmethod
-    def is_available() -> bool:
-        if os.environ.get("PJRT_DEVICE", "").upper() != "CPU":
-            return False
-        try:
-            import torch_xla  # noqa: F401  (importing does not start the runtime)
-        except ImportError:
-            return False
-        return True
-
-    @staticmethod
-    def auto_device_count() -> int:
-        return 1
-
-    @staticmethod
-    def parse_devices(devices: int | str | Sequence[int]) -> int | list[int]:
-        """Accept ``"auto"``, ``1``, ``"1"``, ``[0]``; refuse the rest with the reason."""
-        value: Any = devices
-        if isinstance(value, str):
-            text = value.strip()
-            if text == "auto":
-                return 1
-            try:
-                value = int(text)
-            except ValueError:
-                try:
-                    value = [int(p) for p in text.split(",") if p.strip()]
-                except ValueError:
-                    value = text
-        if isinstance(value, bool):
-            value = str(value)  # bool is an int subclass; refuse it below
-        if isinstance(value, int) and value == 1:
-            return 1
-        if isinstance(value, Sequence) and not isinstance(value, str) and list(value) == [0]:
-            return [0]
-        raise ValueError(
-            f"devices={devices!r} cannot run on XLA:CPU: this emulation has one XLA device, "
-            "use devices=1, [0] or 'auto'. On a TPU, Lightning accepts 1, all devices or "
-            "[i]; here Lightning's XLAStrategy would fork one process per device and "
-            "cross-process collectives crash on XLA:CPU (pytorch/xla issue 9089)."
-        )
-
-    @staticmethod
-    def get_parallel_devices(devices: int | list[int]) -> list[torch.device]:
-        index = devices[0] if isinstance(devices, list) else 0
-        return [torch.device("xla", index)]
-
-    @staticmethod
-    def name() -> str:
-        return "xla_cpu"
+# --------------------------------------------------------------------------- the Trainer
 
 
 class AtomicXLACheckpointIO(XLACheckpointIO):
-    """Lightning's ``XLACheckpointIO``, but the file is replaced atomically.
+    """Lightning's ``XLACheckpointIO``, but the file is replaced atomically and loaded safely.
 
-    ``XLACheckpointIO.save_checkpoint`` moves the state to the CPU and ``torch.save``\\ s it
-    straight onto the final name, so a kill mid-write leaves a truncated checkpoint
-    (Lightning's CPU/GPU ``TorchCheckpointIO`` does write atomically). Here the CPU copy
-    goes through :func:`tpu_helpers.checkpoint.write_atomically` (temp file, fsync,
-    ``os.replace``).
+    A kill mid-write (a preempted TPU VM) leaves the old checkpoint or the new one, never a
+    truncated file; loading refuses anything but tensors and plain containers.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options.")
-        import torch_xla.core.xla_model as xm
-
-        # the same host copy XLACheckpointIO makes: every XLA tensor in one batched transfer
-        write_atomically(path, xm._maybe_convert_to_cpu(checkpoint, convert=True))
+        # the host copy XLACheckpointIO makes: every XLA tensor in one batched transfer
+        cpu_state = xm._maybe_convert_to_cpu(checkpoint, convert=True)
+        atomic_write(path, lambda f: torch.save(cpu_state, f))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's resume and ``load_from_checkpoint`` path, through
-        :func:`tpu_helpers.checkpoint.load_checkpoint`: plain tensors and containers only,
-        even if the caller asks for ``weights_only=False`` (a crafted checkpoint cannot
-        run code). ``map_location`` is ignored: it loads to the CPU, as Lightning's
-        XLA strategy does before moving the state to the device."""
+        """Lightning's resume and ``load_from_checkpoint`` path: ``weights_only`` loading even
+        if the caller asks for ``weights_only=False``. ``map_location`` is ignored: it loads
+        to the CPU, as Lightning's XLA strategies do before moving the state to the device."""
         return load_checkpoint(path)
 
 
-def _check_devices_argument(devices: Any) -> None:
-    ok = (devices == "auto" or (isinstance(devices, int) and not isinstance(devices, bool)
-                                and devices >= 1)
+def _check_devices(devices: Any) -> None:
+    ok = (devices == "auto"
+          or (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1)
           or (isinstance(devices, str) and devices.strip().replace(",", "").isdigit())
           or (isinstance(devices, list | tuple) and len(devices) == 1
               and isinstance(devices[0], int) and devices[0] >= 0))
     if not ok:
         raise ValueError(
             f"devices={devices!r}: Lightning 2.6 on TPU takes 'auto', 1, the number of "
-            "devices on this host (e.g. 8 on a v5e-8, 4 on a v4-8) or a one-element list [i]."
-        )
+            "devices on this host (e.g. 8 on a v5e-8, 4 on a v4-8) or a one-element list [i].")
 
 
 def trainer_kwargs(devices: int | str | Sequence[int] = "auto", *,
-                   runtime: Runtime | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``lightning.Trainer`` on this machine: accelerator, devices, plugins.
+                   accelerator: str | Accelerator = "tpu") -> dict[str, Any]:
+    """Keyword arguments for ``lightning.Trainer`` on a TPU host.
 
-    * TPU attached (:func:`tpu_helpers.env.detect_runtime`): ``accelerator="tpu"`` and your
-      ``devices``, passed through to Lightning's own checks.
-    * No TPU: :class:`XLACPUAccelerator` with ``devices`` checked here (1, ``[0]`` or
-      ``"auto"``); needs ``PJRT_DEVICE=CPU`` (``configure_emulation()``).
-
-    ``plugins`` holds :class:`AtomicXLACheckpointIO` in both cases. Raises ``ValueError``
-    for a ``devices`` value Lightning would refuse, before any device is touched.
+    ``{"accelerator": "tpu", "devices": devices, "plugins": [AtomicXLACheckpointIO()]}``.
+    ``devices``: ``"auto"`` (every device of the host: several processes if more than one),
+    ``1``, the host's device count, or ``[i]``; anything else raises ``ValueError`` here,
+    before Lightning starts. ``accelerator``: another XLA accelerator (the course passes an
+    XLA:CPU one). Touches no device.
     """
-    _check_devices_argument(devices)
-    rt = runtime or detect_runtime()
-    plugins = [AtomicXLACheckpointIO()]
-    if rt.has_tpu:
-        return {"accelerator": "tpu", "devices": devices, "plugins": plugins}
-    if not XLACPUAccelerator.is_available():
-        raise EnvironmentProblem(
-            "No TPU here and PJRT_DEVICE is not CPU: call "
-            "tpu_helpers.env.configure_emulation(num_devices=1) before building the Trainer."
-        )
-    return {"accelerator": XLACPUAccelerator(),
-            "devices": XLACPUAccelerator.parse_devices(devices), "plugins": plugins}
-
-
-# --------------------------------------------------------------------------- the model
-
-LossLogging = Literal["epoch", "logger", "prog_bar"]
-
-
-# --------------------------------------------------------------------------- measuring
+    _check_devices(devices)
+    return {"accelerator": accelerator, "devices": devices,
+            "plugins": [AtomicXLACheckpointIO()]}
 
 
 # --------------------------------------------------------------------------- predictions
 
-RANK_FILE = "rank{rank:05d}-of-{world_size:05d}.pt"
-MERGED_FILE = "predictions.pt"
-
 
 def rank_file(output_dir: str | Path, rank: int, world_size: int) -> Path:
-    """Where rank ``rank`` of ``world_size`` writes its records."""
-    return Path(output_dir) / RANK_FILE.format(rank=rank, world_size=world_size)
-
-
-def merge_rank_files(output_dir: str | Path, world_size: int, n: int) -> Ordered:
-    """Merge every rank's records into dataset order with :func:`~tpu_helpers.predict.exactly_once`.
-
-    Checks that each of the ``world_size`` rank files exists and was written for a
-    dataset of ``n`` samples, then orders by dataset index, drops repeats (counted in
-    ``duplicates``) and checks that every index ``0..n-1`` is there exactly once.
-    Raises :class:`~tpu_helpers.predict.PredictionError` naming the missing or
-    inconsistent file, or the missing indices.
-    """
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for rank in range(world_size):
-        path = rank_file(output_dir, rank, world_size)
-        if not path.is_file():
-            raise PredictionError(f"{path}: missing; rank {rank} of {world_size} did not "
-                                  "write its predictions.")
-        rec = load_checkpoint(path)  # plain tensors and containers only: cannot run code
-        if rec["n"] != n or rec["world_size"] != world_size:
-            raise PredictionError(f"{path}: written for {rec['n']} samples on "
-                                  f"{rec['world_size']} ranks, merging {n} on {world_size}.")
-        if rec["index"].numel():
-            parts.append((rec["index"], rec["mask"], rec["values"]))
-    if not parts:
-        raise PredictionError(f"{output_dir}: no rank recorded any prediction rows.")
-    row_shapes = {tuple(v.shape[1:]) for _, _, v in parts}
-    if len(row_shapes) > 1:
-        raise PredictionError(f"ranks wrote prediction rows of different shapes {row_shapes}.")
-    return exactly_once(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                        torch.cat([p[2] for p in parts]), n=n)
+    """Where rank ``rank`` of ``world_size`` writes its rows (:func:`ordering.rank_file_name`)."""
+    return Path(output_dir) / rank_file_name(rank, world_size)
 
 
 def read_predictions(output_dir: str | Path) -> Ordered:
-    """The merged predictions rank 0 wrote (works in the launching process too)."""
+    """The merged predictions in dataset order, in any process (also the one that launched
+    the ranks): reads :data:`MERGED_FILE` and merges the rank files it names again."""
     path = Path(output_dir) / MERGED_FILE
-    if not path.is_file():
+    try:
+        info = json.loads(path.read_text())
+        world_size, n = int(info["world_size"]), int(info["n"])
+    except FileNotFoundError:
         raise PredictionError(f"{path}: missing; did trainer.predict finish with an "
-                              "ExactlyOncePredictionWriter writing here?")
-    rec = load_checkpoint(path)
-    return Ordered(rec["index"].numpy(), rec["values"], int(rec["duplicates"]))
+                              "ExactlyOncePredictionWriter writing here?") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PredictionError(f"{path}: not a readable merge record ({exc}).") from None
+    return merge_rank_files(output_dir, world_size, n)
 
 
 class ExactlyOncePredictionWriter(BasePredictionWriter):
     """Every prediction exactly once, in dataset order, from ``trainer.predict`` on any devices.
 
-    Per batch (``write_on_batch_end``) it keeps the prediction on the host with the dataset
-    indices Lightning's sampler put in that batch (``batch_indices``). At the end of the
-    predict epoch every rank writes its records to ``rankR-of-W.pt`` in ``output_dir``
-    (atomically), all ranks meet at ``trainer.strategy.barrier``, and rank 0 merges the
-    files with :func:`merge_rank_files` into ``predictions.pt`` (atomically), checked to
-    hold each index ``0..len(dataset)-1`` once. ``predictions`` holds the merged
-    :class:`~tpu_helpers.predict.Ordered` on rank 0; :func:`read_predictions` reads the file
-    from any process (with several TPU devices the callbacks run in forked processes, so
-    the launching process only sees the file).
+    Per batch it copies the prediction to the host (one transfer per batch) with the dataset
+    indices Lightning's sampler put in it (``batch_indices``). At the end of the predict
+    epoch every rank writes its rank file in ``output_dir``, all ranks meet at
+    ``trainer.strategy.barrier``, and rank 0 merges the files (``predictions`` holds the
+    :class:`ordering.Ordered` result there) and writes :data:`MERGED_FILE`. With several
+    processes the writer object in your notebook is not the one that ran (each process has
+    its own copy): use :func:`read_predictions`.
 
-    One predict dataloader, predictions a tensor with one row per sample. Each batch's
-    prediction is copied to the host as it is written (one transfer per batch; this also
-    ends the lazy graph per batch on a single XLA device, where Lightning itself does not).
+    One predict dataloader over a map-style dataset; ``predict_step`` returns one tensor with
+    a row per sample. ``n``: the dataset length, if ``len(dataset)`` does not give it.
     """
 
     def __init__(self, output_dir: str | Path, n: int | None = None) -> None:
@@ -260,56 +152,51 @@ class ExactlyOncePredictionWriter(BasePredictionWriter):
         self.output_dir = Path(output_dir)
         self.n = n
         self.predictions: Ordered | None = None
-        self._index: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
-
-    # ---- recording (no trainer needed: the unit tests drive it like Lightning does)
-    def reset(self) -> None:
-        self._index, self._values, self.predictions = [], [], None
+        self._index: list[np.ndarray] = []
+        self._values: list[np.ndarray] = []
 
     def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any,
                            batch_indices: Sequence[int] | None, batch: Any, batch_idx: int,
                            dataloader_idx: int) -> None:
+        where = f"predict batch {batch_idx}"
         if dataloader_idx != 0:
-            raise PredictionError(f"{type(self).__name__} supports one predict dataloader; "
-                                  f"got dataloader {dataloader_idx}.")
+            raise PredictionError(f"{where}: {type(self).__name__} supports one predict "
+                                  f"dataloader; got dataloader {dataloader_idx}.")
         if not isinstance(prediction, torch.Tensor):
-            raise PredictionError(f"predict batch {batch_idx}: predict_step returned a "
+            raise PredictionError(f"{where}: predict_step returned a "
                                   f"{type(prediction).__name__}; return one tensor with a "
                                   "row per sample.")
         if not batch_indices:
             raise PredictionError(
-                f"predict batch {batch_idx}: Lightning did not report which dataset indices "
-                "it holds; use a torch DataLoader over a map-style dataset (with __len__) "
-                "so Lightning can track them.")
+                f"{where}: Lightning did not report which dataset indices it holds; use a "
+                "torch DataLoader over a map-style dataset (with __len__).")
         if prediction.shape[0] != len(batch_indices):
             raise PredictionError(
-                f"predict batch {batch_idx}: {prediction.shape[0]} prediction rows for "
-                f"{len(batch_indices)} dataset indices (first: {list(batch_indices[:4])}).")
-        self._index.append(torch.as_tensor(list(batch_indices), dtype=torch.int64))
-        self._values.append(prediction.detach().to("cpu"))
+                f"{where}: {prediction.shape[0]} prediction rows for {len(batch_indices)} "
+                f"dataset indices (first: {list(batch_indices[:4])}).")
+        rows = prediction.detach().to("cpu")
+        if rows.dtype == torch.bfloat16:  # numpy has no bfloat16; float32 holds it exactly
+            rows = rows.float()
+        self._index.append(np.asarray(batch_indices, dtype=np.int64))
+        self._values.append(rows.numpy())
 
     def save_rank(self, rank: int, world_size: int, n: int) -> Path:
-        """Write this rank's records to its rank file (atomically)."""
-        index = torch.cat(self._index) if self._index else torch.zeros(0, dtype=torch.int64)
-        values = torch.cat(self._values) if self._values else torch.zeros(0)
-        record = {"rank": rank, "world_size": world_size, "n": n, "index": index,
-                  "mask": torch.ones(index.shape, dtype=torch.bool), "values": values}
-        return write_atomically(rank_file(self.output_dir, rank, world_size), record)
+        """Write this rank's rows to its rank file, atomically."""
+        index = np.concatenate(self._index) if self._index else np.zeros(0, np.int64)
+        values = np.concatenate(self._values) if self._values else np.zeros(0, np.float32)
+        mask = np.ones(index.shape, dtype=bool)
+        return atomic_write(rank_file(self.output_dir, rank, world_size), lambda f: save_rank_file(
+            f, index, mask, values, rank=rank, world_size=world_size, n=n))
 
     def merge(self, world_size: int, n: int) -> Ordered:
-        """Rank 0's step: merge all rank files, write ``predictions.pt``, keep the result."""
-        merged = merge_rank_files(self.output_dir, world_size, n)
-        values = merged.values
-        record = {"index": torch.from_numpy(merged.index),
-                  "values": values if isinstance(values, torch.Tensor) else
-                  torch.from_numpy(values), "duplicates": merged.duplicates,
-                  "n": n, "world_size": world_size}
-        write_atomically(self.output_dir / MERGED_FILE, record)
-        self.predictions = merged
-        return merged
+        """Rank 0's step: merge every rank file, then record the merge in :data:`MERGED_FILE`."""
+        self.predictions = merge_rank_files(self.output_dir, world_size, n)
+        record = {"world_size": world_size, "n": n,
+                  "duplicates": self.predictions.duplicates,
+                  "files": [rank_file_name(r, world_size) for r in range(world_size)]}
+        atomic_write(self.output_dir / MERGED_FILE, lambda f: f.write(json.dumps(record).encode()))
+        return self.predictions
 
-    # ---- Lightning hooks
     def _dataset_length(self, trainer: L.Trainer) -> int:
         loaders = trainer.predict_dataloaders
         if isinstance(loaders, list | tuple):
@@ -317,28 +204,24 @@ class ExactlyOncePredictionWriter(BasePredictionWriter):
                 raise PredictionError(f"{type(self).__name__} supports one predict "
                                       f"dataloader; got {len(loaders)}.")
             loaders = loaders[0]
-        dataset = getattr(loaders, "dataset", None)
         try:
-            length = len(dataset)  # type: ignore[arg-type]
-        except TypeError:
+            length = len(loaders.dataset)
+        except (AttributeError, TypeError):
             length = None
-        if self.n is not None:
-            if length is not None and length != self.n:
-                raise PredictionError(f"the predict dataset has {length} samples but the "
-                                      f"writer was told n={self.n}.")
-            return self.n
-        if length is None:
+        if self.n is None and length is None:
             raise PredictionError("cannot tell the predict dataset's length: pass n=... to "
                                   f"{type(self).__name__}.")
-        return length
+        if self.n is not None and length is not None and length != self.n:
+            raise PredictionError(f"the predict dataset has {length} samples but the writer "
+                                  f"was told n={self.n}.")
+        return self.n if self.n is not None else length
 
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.reset()
+        self._index, self._values, self.predictions = [], [], None
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if trainer.is_global_zero:
             (self.output_dir / MERGED_FILE).unlink(missing_ok=True)
-        for old in self.output_dir.glob(f"rank{trainer.global_rank:05d}-of-*.pt"):
-            old.unlink()  # this rank's records from an earlier run in this folder
+        rank_file(self.output_dir, trainer.global_rank, trainer.world_size).unlink(missing_ok=True)
 
     def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         n = self._dataset_length(trainer)
@@ -347,11 +230,3 @@ class ExactlyOncePredictionWriter(BasePredictionWriter):
         if trainer.is_global_zero:
             self.merge(trainer.world_size, n)
         trainer.strategy.barrier("ExactlyOncePredictionWriter.merged")
-
-    def as_array(self) -> np.ndarray:
-        """The merged predictions (rank 0) as a numpy array in dataset order."""
-        if self.predictions is None:
-            raise PredictionError("no merged predictions in this process: run "
-                                  "trainer.predict first, or use read_predictions(output_dir).")
-        values = self.predictions.values
-        return values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
