@@ -1,26 +1,18 @@
 """Predictions from every replica, exactly once, in dataset order: the loop and the backends.
 
-Taught in ``notebooks/04_prediction_gathering.ipynb``. Needs ``ordering.py`` (the pure
-ordering: :func:`~ordering.exactly_once`, :class:`~ordering.OrderedBuffer`, rank files).
+Taught in ``notebooks/04_prediction_gathering.ipynb``; needs ``ordering.py`` (the ordering).
 
-``predict(model, loader)`` runs on every replica over a loader the caller built: batches
-``(x, ..., index, mask)`` of one fixed size, padded with index ``-1`` / mask False
-(``tpu_helpers.data.make_eval_loader`` builds them). A backend moves the outputs; the
-ordering never changes:
-
-* :class:`XlaReplicas` (``torch_xla.launch``; world size 1 on XLA:CPU and a v5e-1):
-  ``xm.all_gather`` of the outputs and ``[index, mask]`` inside the one step graph.
-* :class:`SpmdMesh` (one process, ``xr.use_spmd()``): the batch and the output sharded over
-  the mesh's ``data`` axis; each device's shard is copied to the host as is.
-* :class:`TorchDistributedReplicas`: a ``torch.distributed`` group (gloo in the tests).
-
-Gathered rows reach the master's host in one transfer per chunk (``chunk_bytes``), where
-:class:`~ordering.OrderedBuffer` puts them in order. With ``PredictOptions(gather=False)``
-there is no collective: each rank gets its own rows, to write a rank file
-(``ordering.save_rank_file``) that the master merges (``ordering.merge_rank_files``).
-Bad input raises :class:`PredictionError` on the host, naming the step and dataset
-indices, before the offending graph compiles. Importing this module does not touch the
-XLA device (importing torch_xla does not start its runtime).
+``predict(model, loader)`` runs on every replica over a loader the caller built: full
+batches ``(x, ..., index, mask)``, padded with index -1 / mask False
+(``tpu_helpers.data.make_eval_loader``). Backends only move the rows: :class:`XlaReplicas`
+(``torch_xla.launch``: ``xm.all_gather`` inside the step graph), :class:`SpmdMesh` (one
+SPMD process: shards copied as they are), :class:`TorchDistributedReplicas` (gloo in the
+tests). Rows reach the master's host in one transfer per chunk and
+``ordering.OrderedBuffer`` orders them. ``PredictOptions(gather=False)``: no collective,
+each rank gets its own rows for a rank file (``ordering.save_rank_file``) that the master
+merges (``ordering.merge_rank_files``). Bad input raises :class:`PredictionError` on the
+host, naming the step and indices, before its graph compiles. Importing this module does
+not touch the XLA device (importing torch_xla does not start its runtime).
 """
 
 from __future__ import annotations
@@ -43,10 +35,6 @@ try:  # inside the tpu_helpers package
     from .ordering import Ordered, OrderedBuffer, PredictionError, exactly_once
 except ImportError:  # copied next to ordering.py into your project
     from ordering import Ordered, OrderedBuffer, PredictionError, exactly_once
-
-__all__ = ["DEFAULT_CHUNK_BYTES", "Ordered", "PredictOptions", "PredictionError", "Predictions",
-           "SpmdMesh", "TorchDistributedReplicas", "XlaReplicas", "default_backend",
-           "exactly_once", "predict"]
 
 #: Default bound on the gathered rows held per chunk (device and host), in bytes.
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -77,8 +65,7 @@ class Backend(Protocol):
 
     def device_batches(self, batches: Any, x_dim: int) -> Any: ...
     def gather_step(self, out: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]: ...
-    def to_host(self, pending: list[list[torch.Tensor]]
-                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+    def to_host(self, pending: list[list[torch.Tensor]]) -> Iterator[tuple]: ...
     def barrier(self, tag: str) -> None: ...
 
 
