@@ -93,8 +93,7 @@ class XlaReplicas:
         # short last batch. Traced into the step graph: no extra compile.
         return [xm.all_gather(out, dim=0), xm.all_gather(ids, dim=0)]
 
-    def to_host(self, pending):
-        return _fetch_pairs(pending)
+    to_host = staticmethod(_fetch_pairs)
 
     def barrier(self, tag):
         if self.world_size > 1:
@@ -184,8 +183,7 @@ class TorchDistributedReplicas:
             gathered.append(torch.cat(parts))
         return gathered
 
-    def to_host(self, pending):
-        return _fetch_pairs(pending)
+    to_host = staticmethod(_fetch_pairs)
 
     def barrier(self, tag):
         dist.barrier(group=self.group)
