@@ -4,7 +4,7 @@ Claim (notebook 04, README): ``tpu_helpers.predict.predict`` costs at most 1.15x
 forward loop that only runs the model and copies the outputs to the host once, and its
 host memory stays at the final result plus one chunk.
 
-* Speed: both run over the same padded batches (``make_eval_loader``, batch 64, digits
+* Speed: both build and run the same padded loader (``make_eval_loader``, batch 64, digits
   images tiled to ``rows`` samples, the digits CNN) through ``MpDeviceLoader`` on this
   process's XLA device (world size 1: ``xm.all_gather`` is an identity but is still
   traced into the step graph). Each is warmed up once (compiles), then timed
@@ -76,6 +76,7 @@ def speed(rows: int, batch_size: int = 64, repeats: int = 3) -> dict:
     import torch_xla
 
     from course.models import DigitsCNN
+    from tpu_helpers.data import make_eval_loader
     from tpu_helpers.metrics import snapshot
     from tpu_helpers.predict import predict
 
@@ -86,13 +87,17 @@ def speed(rows: int, batch_size: int = 64, repeats: int = 3) -> dict:
     before = snapshot()
     ref = bare_forward(model, ds, batch_size, device)  # warm-up: compiles
     base_compiles = (snapshot() - before).compiles
-    warm = predict(model, ds, batch_size)
+
+    def ours():  # the same padded loader as the baseline, then predict
+        return predict(model, make_eval_loader(ds, batch_size, world_size=1, rank=0))
+
+    warm = ours()
     assert np.allclose(warm.values, ref[:rows].numpy(), atol=1e-5), "predict != bare loop"
     bare_s, ours_s, timed_compiles = [], [], 0
     for _ in range(repeats):
         bare_s.append(_timed(lambda: bare_forward(model, ds, batch_size, device)))
         result: list = []
-        ours_s.append(_timed(lambda out=result: out.append(predict(model, ds, batch_size))))
+        ours_s.append(_timed(lambda out=result: out.append(ours())))
         timed_compiles += result[0].compiles
     best_bare, best_ours = min(bare_s), min(ours_s)
     ratio = best_ours[0] / best_bare[0]
@@ -141,17 +146,20 @@ class _PeakRss:
 def memory(rows: int, chunk_bytes: int, width: int = 1024, batch_size: int = 64) -> dict:
     import torch_xla
 
-    from tpu_helpers.predict import predict
+    from tpu_helpers.data import make_eval_loader
+    from tpu_helpers.predict import PredictOptions, predict
 
     device = torch_xla.device()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, width)).to(device)
     ds = _dataset(rows)
-    predict(model, torch.utils.data.Subset(ds, range(batch_size)), batch_size)  # compile
+    first = torch.utils.data.Subset(ds, range(batch_size))
+    predict(model, make_eval_loader(first, batch_size, world_size=1, rank=0))  # compile
+    loader = make_eval_loader(ds, batch_size, world_size=1, rank=0)
     result_bytes = rows * width * 4
     tracemalloc.start()
     with _PeakRss() as rss:
-        pred = predict(model, ds, batch_size, chunk_bytes=chunk_bytes)
+        pred = predict(model, loader, options=PredictOptions(chunk_bytes=chunk_bytes))
     _, numpy_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     step_bytes = batch_size * (width * 4 + 16)

@@ -8,9 +8,11 @@ On a TPU, fp32 matrix multiplications and convolutions run at torch_xla's matmul
 mantissa, so results differ from fp32 CPU PyTorch by about 1e-3 relative, up to 1e-2 after a
 few layers), ``"high"`` (three bfloat16 passes, about 1e-5) or ``"highest"`` (six passes,
 fp32 accuracy, slowest). ``torch_xla.backends.set_mat_mul_precision("highest")`` before the
-compile makes a TPU match the CPU to about 1e-6. XLA:CPU computes fp32 in fp32 whatever the
-setting. The TPU figures follow from the formats; no TPU run of this repository is recorded
-yet (see the README), so they are what a TPU should show, not what we measured.
+process compiles anything makes a TPU match the CPU to about 1e-6 (the setting is read at
+compile time; switching it back and forth in one process is unreliable, as upstream's own
+test notes). XLA:CPU computes fp32 in fp32 whatever the setting. The TPU figures follow
+from the formats; no TPU run of this repository is recorded yet (see the README), so they
+are what a TPU should show, not what we measured.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""tpu_helpers.predict: the pure ordering / de-duplication (property tests), the
-world-size-1 XLA path in this process, and bad input caught before any compile.
+"""tpu_helpers.ordering (the pure ordering / de-duplication and the rank files: property
+tests, numpy only) and tpu_helpers.predict (the world-size-1 XLA path in this process, bad
+input caught before any compile).
 
 Multi-process (gloo), SPMD (4 virtual devices) and ``torch_xla.launch`` runs are in
 ``tests/test_predict_multiprocess.py`` (fresh processes).
@@ -12,18 +13,22 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import run_python
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
+from tpu_helpers.checkpoint import atomic_write
 from tpu_helpers.data import eval_shard_indices, make_eval_loader
-from tpu_helpers.predict import (
+from tpu_helpers.ordering import (
     OrderedBuffer,
     PredictionError,
-    Predictions,
     exactly_once,
-    merge_shards,
+    merge_rank_files,
+    rank_file_name,
+    save_rank_file,
 )
+from tpu_helpers.predict import PredictOptions, predict
 
 PRIMES = [2, 3, 5, 7, 11, 13, 61, 97, 127, 251, 509, 997]
 sizes = st.one_of(st.integers(1, 1000), st.sampled_from([1, 2, 3, 4, 5, 6, 7, *PRIMES]))
@@ -90,8 +95,8 @@ def test_chunks_in_any_order_and_split_give_the_same_result(n, world, batch, dat
 
 @FAST
 @given(n=sizes, world=worlds, batch=batches, data=st.data())
-def test_many_parts_at_once_equal_one_call(n, world, batch, data):
-    """``add_many`` (what ``predict`` does per chunk: one part per step) == exactly_once."""
+def test_repeated_parts_are_dropped_and_counted(n, world, batch, data):
+    """Parts of any split (what ``predict`` adds: one per step), some handed in twice."""
     index, mask, values = gathered_like_all_gather(n, batch, world)
     cut = sorted(data.draw(st.sets(st.integers(1, max(1, index.shape[0] - 1)), max_size=5)))
     bounds = [0, *[c for c in cut if c < index.shape[0]], index.shape[0]]
@@ -100,8 +105,8 @@ def test_many_parts_at_once_equal_one_call(n, world, batch, data):
               torch.from_numpy(values[a:b]).float()) for a, b in spans]
     half = len(parts) // 2
     buf = OrderedBuffer(n)
-    buf.add_many(parts[:half] + parts[:half])  # a repeated chunk: dropped, counted
-    buf.add_many(parts[half:])
+    for part in parts[:half] + parts[:half] + parts[half:]:  # a repeated chunk: dropped
+        buf.add(*part)
     out = buf.result()
     np.testing.assert_array_equal(out.values, reference(np.arange(n)).astype(np.float32))
     assert buf.duplicates == int(sum((p[1]).sum() for p in parts[:half]))
@@ -127,15 +132,22 @@ def test_distributed_sampler_padding_duplicates_are_dropped(n, world, shuffle):
     assert out.duplicates == expected_dups
 
 
-def test_torch_in_torch_out_numpy_in_numpy_out():
+def test_torch_cpu_tensors_in_numpy_out():
     index = torch.tensor([[2, 0], [1, -1]])
     mask = index >= 0
     values = torch.arange(8.0).reshape(2, 2, 2)
     out = exactly_once(index, mask, values, n=3)
-    assert isinstance(out.values, torch.Tensor)
+    assert isinstance(out.values, np.ndarray) and isinstance(out.index, np.ndarray)
     assert out.values.tolist() == [[2.0, 3.0], [4.0, 5.0], [0.0, 1.0]]
-    out = exactly_once(index.numpy(), mask.numpy(), values.numpy(), n=3)
-    assert isinstance(out.values, np.ndarray)
+    again = exactly_once(index.numpy(), mask.numpy(), values.numpy(), n=3)
+    np.testing.assert_array_equal(again.values, out.values)
+
+
+def test_ordering_imports_no_torch():
+    """ordering.py is numpy + stdlib: importing it pulls in neither torch nor torch_xla."""
+    proc = run_python("import sys\nimport tpu_helpers.ordering\n"
+                      "print(sorted(m for m in sys.modules if m.startswith('torch')))")
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_host_objects_such_as_strings():
@@ -180,37 +192,87 @@ def test_bad_rows_are_named():
         buf.result()
 
 
-def test_frame_and_atomic_csv(tmp_path):
-    pred = Predictions(reference(np.arange(5)), columns=("a", "b", "c"))
-    frame = pred.frame
-    assert frame.index.name == "index" and frame.index.tolist() == [0, 1, 2, 3, 4]
-    path = pred.to_csv(tmp_path / "preds.csv")
-    import pandas as pd
-
-    back = pd.read_csv(path, index_col="index")
-    np.testing.assert_allclose(back.to_numpy(), pred.values)
-    assert [p.name for p in tmp_path.iterdir()] == ["preds.csv"]  # no temp file left
-    assert Predictions(np.arange(3.0)).frame.columns.tolist() == ["out"]
-
-
-def test_merge_shards_checks_counts(tmp_path):
-    from tpu_helpers.predict import _chunk_name, _manifest_name
-
-    n, world, batch = 23, 3, 4
+def _write_rank_files(folder, n: int, world: int, batch: int) -> None:
     for r in range(world):
         idx = eval_shard_indices(n, batch, world, r)
-        np.savez(tmp_path / _chunk_name(r, world, 0), index=idx, mask=idx >= 0,
-                 values=reference(idx))
-        (tmp_path / _manifest_name(r, world)).write_text(
-            f'{{"n": {n}, "chunks": 1, "rows": {int((idx >= 0).sum())}}}')
-    out = merge_shards(tmp_path, n, world)
+        atomic_write(folder / rank_file_name(r, world),
+                     lambda f, idx=idx, r=r: save_rank_file(f, idx, idx >= 0, reference(idx),
+                                                            rank=r, world_size=world, n=n))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=sizes, world=worlds, batch=batches)
+def test_rank_files_merge_exactly_once(tmp_path_factory, n, world, batch):
+    folder = tmp_path_factory.mktemp("ranks")
+    _write_rank_files(folder, n, world, batch)
+    assert sorted(p.name for p in folder.iterdir()) == [rank_file_name(r, world)
+                                                         for r in range(world)]
+    out = merge_rank_files(folder, world, n)
+    np.testing.assert_array_equal(out.index, np.arange(n))
     np.testing.assert_array_equal(out.values, reference(np.arange(n)))
-    (tmp_path / _manifest_name(2, world)).write_text('{"n": 23, "chunks": 1, "rows": 99}')
-    with pytest.raises(PredictionError, match="says 99 rows"):
-        merge_shards(tmp_path, n, world)
-    (tmp_path / _manifest_name(2, world)).unlink()
-    with pytest.raises(PredictionError, match=r"rank00002-of-00003.json: missing"):
-        merge_shards(tmp_path, n, world)
+    assert out.duplicates == 0
+
+
+def test_rank_files_are_checked_and_named(tmp_path):
+    n, world = 23, 3
+    _write_rank_files(tmp_path, n, world, 4)
+    assert rank_file_name(2, 3) == "rank00002-of-00003.npz"
+    with pytest.raises(PredictionError, match=r"rank00000-of-00003\.npz: written for .*'n': 23"
+                                              r".* merging .*'n': 24"):
+        merge_rank_files(tmp_path, world, 24)
+    path = tmp_path / rank_file_name(1, world)
+    other = tmp_path / rank_file_name(2, world)
+    path.write_bytes(other.read_bytes())  # rank 2's file under rank 1's name
+    with pytest.raises(PredictionError, match=r"rank00001-of-00003\.npz: written for "
+                                              r"\{'rank': 2"):
+        merge_rank_files(tmp_path, world, n)
+    path.write_bytes(other.read_bytes()[:100])  # truncated
+    with pytest.raises(PredictionError, match=r"rank00001-of-00003\.npz: corrupt"):
+        merge_rank_files(tmp_path, world, n)
+    path.unlink()
+    with pytest.raises(PredictionError, match=r"rank00001-of-00003\.npz: missing; rank 1"):
+        merge_rank_files(tmp_path, world, n)
+    idx = np.arange(2)  # a rank that lost rows: the merge names what is missing
+    atomic_write(path, lambda f: save_rank_file(f, idx, None, reference(idx), rank=1,
+                                                world_size=world, n=n))
+    with pytest.raises(PredictionError, match=r"missing from the gathered rows"):
+        merge_rank_files(tmp_path, world, n)
+
+
+class Payload:
+    """Unpickling this calls ``os.makedirs(marker)``: harmless, and easy to see."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.makedirs, (self.marker,))
+
+
+def test_rank_files_with_pickled_objects_are_refused(tmp_path):
+    import io
+    import pickle
+
+    marker = tmp_path / "CODE-RAN"
+    values = np.empty(2, dtype=object)
+    values[:] = [Payload(marker), Payload(marker)]
+    buf = io.BytesIO()
+    np.savez(buf, index=np.arange(2), mask=np.ones(2, bool), values=values, rank=0,
+             world_size=1, n=2)
+    path = tmp_path / rank_file_name(0, 1)
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(PredictionError, match=r"rank00000-of-00001\.npz: refused: not a plain"):
+        merge_rank_files(tmp_path, 1, 2)
+    path.write_bytes(pickle.dumps(Payload(marker)))  # not even an npz
+    with pytest.raises(PredictionError, match=r"rank00000-of-00001\.npz: "):
+        merge_rank_files(tmp_path, 1, 2)
+    assert not marker.exists()
+    pickle.loads(pickle.dumps(Payload(marker)))  # the payload is real: plain pickle runs it
+    assert marker.is_dir()
+    with pytest.raises(PredictionError, match="numeric arrays only"):
+        save_rank_file(io.BytesIO(), np.arange(2), None, values, rank=0, world_size=1, n=2)
 
 
 # --------------------------------------------------------------------------- XLA, world 1
@@ -239,10 +301,8 @@ def xla_model():
     return cpu, model.to(dev)
 
 
-def test_world_size_1_equals_plain_forward_with_one_graph(digits, xla_model, tmp_path):
+def test_world_size_1_equals_plain_forward_with_one_graph(digits, xla_model):
     import torch_xla.debug.metrics as met
-
-    from tpu_helpers.predict import predict
 
     ds, x = digits
     cpu, model = xla_model
@@ -250,37 +310,57 @@ def test_world_size_1_equals_plain_forward_with_one_graph(digits, xla_model, tmp
     met.clear_all()
     compiles = 0
     for n in (len(ds), len(ds) - 1, 31, 17, 1):  # every remainder modulo batch 16
-        sub = torch.utils.data.Subset(ds, range(n))
-        pred = predict(model, sub, 16, csv_path=tmp_path / f"p{n}.csv")
+        loader = make_eval_loader(torch.utils.data.Subset(ds, range(n)), 16)
+        pred = predict(model, loader)
+        np.testing.assert_array_equal(pred.index, np.arange(n))
         np.testing.assert_allclose(pred.values, expected[:n], rtol=1e-5, atol=1e-5)
         assert pred.transfers_from_device == 1  # one transfer to the host for the run
         assert pred.padding_rows == math.ceil(n / 16) * 16 - n
-        assert (tmp_path / f"p{n}.csv").is_file()
         compiles += pred.compiles
     assert compiles == 1, "one predict graph whatever len(dataset) % batch is"
     assert model.training is False
 
 
 def test_bounded_chunks_same_result(digits, xla_model):
-    from tpu_helpers.predict import predict
-
     ds, _ = digits
     _, model = xla_model
-    whole = predict(model, ds, 16)
-    chunked = predict(model, ds, 16, chunk_bytes=1)  # one step per chunk
+    whole = predict(model, make_eval_loader(ds, 16))
+    chunked = predict(model, make_eval_loader(ds, 16), options=PredictOptions(chunk_bytes=1))
     np.testing.assert_array_equal(whole.values, chunked.values)
-    assert chunked.transfers_from_device == math.ceil(len(ds) / 16)
+    assert chunked.transfers_from_device == math.ceil(len(ds) / 16)  # one step per chunk
 
 
-def test_shard_files_path_world_1(digits, xla_model, tmp_path):
-    from tpu_helpers.predict import predict
-
+def test_rank_file_path_world_1(digits, xla_model, tmp_path):
+    """gather=False: this rank's own rows, written as a rank file, merged by the master."""
     ds, _ = digits
     _, model = xla_model
-    whole = predict(model, ds, 16)
-    sharded = predict(model, ds, 16, shard_dir=tmp_path, chunk_bytes=4096)
-    np.testing.assert_array_equal(whole.values, sharded.values)
-    assert len(list(tmp_path.glob("rank00000-of-00001-chunk*.npz"))) > 1
+    model.train()  # predict switches to eval and restores the mode
+    whole = predict(model, make_eval_loader(ds, 16))
+    own = predict(model, make_eval_loader(ds, 16),
+                  options=PredictOptions(gather=False, chunk_bytes=4096))
+    assert model.training is True
+    model.eval()
+    atomic_write(tmp_path / rank_file_name(0, 1),
+                 lambda f: save_rank_file(f, own.index, None, own.values, rank=0,
+                                          world_size=1, n=len(ds)))
+    merged = merge_rank_files(tmp_path, 1, len(ds))
+    np.testing.assert_array_equal(whole.values, merged.values)
+    assert own.transfers_from_device > 1  # really chunked
+
+
+def test_bfloat16_outputs_come_back_as_float32(digits):
+    import torch_xla
+
+    ds, x = digits
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)).to(torch.bfloat16)
+    inputs = torch.from_numpy(x).to(torch.bfloat16)
+    expected = cpu(inputs).float().detach().numpy()
+    model = cpu.to(torch_xla.device())
+    loader = make_eval_loader(torch.utils.data.TensorDataset(inputs, torch.zeros(len(x))), 16)
+    pred = predict(model, loader)
+    assert pred.values.dtype == np.float32 and pred.values.shape == (len(ds), 10)
+    np.testing.assert_allclose(pred.values, expected, rtol=2e-2, atol=2e-2)
 
 
 class _Dict(torch.nn.Module):
@@ -311,12 +391,11 @@ def test_bad_model_output_fails_before_any_compile(digits, model, match):
     import torch_xla.core.xla_model as xm
 
     from tpu_helpers.metrics import snapshot
-    from tpu_helpers.predict import predict
 
     xm.wait_device_ops()
     before = snapshot()
     with pytest.raises(PredictionError, match=match):
-        predict(model, digits[0], 16)
+        predict(model, make_eval_loader(digits[0], 16))
     xm.wait_device_ops()
     assert (snapshot() - before).compiles == 0
 
@@ -325,45 +404,42 @@ def test_output_shape_change_fails_before_its_graph_compiles(digits):
     import torch_xla.core.xla_model as xm
 
     from tpu_helpers.metrics import snapshot
-    from tpu_helpers.predict import predict
 
     xm.wait_device_ops()
     before = snapshot()
     with pytest.raises(PredictionError, match=r"changed from \[16, 8\].* at step 1 "
                                               r"\(dataset indices \[16, 17, 18, 19\]"):
-        predict(_ShapeChangesAtStep1(), digits[0], 16)
+        predict(_ShapeChangesAtStep1(), make_eval_loader(digits[0], 16))
     xm.wait_device_ops()
     assert (snapshot() - before).compiles == 1  # step 0's graph; the bad one never compiles
 
 
-def test_dataset_or_batches_without_indices(digits):
-    from tpu_helpers.predict import predict, predict_loader
-
+def test_batches_without_indices_or_no_batches(digits):
     ds, x = digits
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             yield from x
 
-    with pytest.raises(PredictionError, match="Stream has no indices"):
-        predict(_Dict(), Stream(), 16)
+    with pytest.raises(PredictionError,
+                       match=r"batch 0 is a torch.float32 tensor of shape \(16, 1, 8, 8\) with"):
+        predict(_Dict(), torch.utils.data.DataLoader(Stream(), batch_size=16), n=len(x))
     plain = torch.utils.data.DataLoader(ds, batch_size=16)  # (x, y): no index, no mask
     with pytest.raises(PredictionError, match="batch 0 .* without dataset indices"):
-        predict_loader(_Dict(), plain, len(ds))
-    with pytest.raises(PredictionError, match="empty"):
-        predict(_Dict(), torch.utils.data.Subset(ds, []), 16)
+        predict(_Dict(), plain)
+    with pytest.raises(PredictionError, match="no batches"):
+        predict(_Dict(), [], n=3)
+    with pytest.raises(PredictionError, match="pass n"):
+        predict(_Dict(), list(make_eval_loader(ds, 16)))
 
 
 def test_partial_last_batch_is_refused(digits):
     """A user loader with a short last batch: refused before that batch's graph."""
-    from tpu_helpers.predict import predict_loader
-
     ds, _ = digits
-    loader = make_eval_loader(ds, 16, world_size=1, rank=0)
-    batches = list(loader)
+    batches = list(make_eval_loader(ds, 16, world_size=1, rank=0))
     short = [*batches[:-1], tuple(t[:5] for t in batches[-1])]
     with pytest.raises(PredictionError, match=r"batch 22 has 5 rows .* batch 0 had 16"):
-        predict_loader(torch.nn.Flatten(), short, len(ds))
+        predict(torch.nn.Flatten(), short, n=len(ds))
 
 
 def test_device_tensors_are_refused_by_the_pure_function():

@@ -1,6 +1,6 @@
-"""tpu_helpers.predict in fresh processes: real multi-process gathering (torch.distributed
-with gloo, 3 processes), SPMD on 4 virtual devices, and world size 1 under
-``torch_xla.launch``.
+"""tpu_helpers.predict and ordering's rank files in fresh processes: real multi-process
+gathering (torch.distributed with gloo, 3 processes), SPMD on 4 and 8 virtual devices, and
+world size 1 under ``torch_xla.launch``.
 
 XLA:CPU cannot run cross-process XLA collectives (pytorch/xla issue 9089), so the
 multi-process test joins real processes with gloo for the collective
@@ -38,12 +38,14 @@ def expected_logits(n: int) -> np.ndarray:
 
 WORKER = """
 import json, os, sys
-import numpy as np, torch, torch.distributed as dist
+import numpy as np, pandas as pd, torch, torch.distributed as dist
 import torch_xla
-from tpu_helpers.data import ArrayDataset, eval_shard_indices
+from tpu_helpers.checkpoint import atomic_write
+from tpu_helpers.data import ArrayDataset, eval_shard_indices, make_eval_loader
+from tpu_helpers.ordering import exactly_once, merge_rank_files, rank_file_name, save_rank_file
 from course.datasets import load_digits
 from course.models import DigitsCNN
-from tpu_helpers.predict import TorchDistributedReplicas, gather_host_rows, predict
+from tpu_helpers.predict import PredictOptions, TorchDistributedReplicas, predict
 
 rank, world, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method="file://" + os.path.join(out, "init"),
@@ -53,27 +55,41 @@ ds = ArrayDataset(x, y)
 torch.manual_seed(0)
 model = DigitsCNN().eval().to(torch_xla.device())
 backend = TorchDistributedReplicas()
+opts = PredictOptions(backend=backend)
 report = {"rank": rank, "world": backend.world_size}
 for n, batch in json.loads(sys.argv[4]):
-    sub = torch.utils.data.Subset(ds, range(n))
-    pred = predict(model, sub, batch, backend=backend, csv_path=f"{out}/pred-{n}.csv")
+    loader = make_eval_loader(torch.utils.data.Subset(ds, range(n)), batch,
+                              world_size=world, rank=rank)
+    pred = predict(model, loader, options=opts)
     assert (pred is None) == (rank != 0), (rank, pred)
-    if pred is not None:
+    if pred is not None:  # the master writes the CSV (atomically)
+        frame = pd.DataFrame(pred.values, index=pd.Index(pred.index, name="index"))
+        atomic_write(f"{out}/pred-{n}.csv", frame.to_csv)
         report[f"compiles-{n}"] = pred.compiles
         np.save(f"{out}/gathered-{n}.npy", pred.values)
         report[f"dups-{n}"] = pred.duplicates
         report[f"padding-{n}"] = pred.padding_rows
     if n == 37:  # every rank asks for the result
-        everyone = predict(model, sub, batch, backend=backend, all_ranks=True)
+        everyone = predict(model, loader, options=PredictOptions(backend=backend, all_ranks=True))
         np.save(f"{out}/all-{n}-rank{rank}.npy", everyone.values)
-# outputs too big to gather: per-rank shard files, merged by the master
-pred = predict(model, ds, 16, backend=backend, shard_dir=f"{out}/shards", chunk_bytes=2048)
+# outputs too big to gather: every rank writes its own rows to a rank file, the master merges
+loader = make_eval_loader(ds, 16, world_size=world, rank=rank)
+own = predict(model, loader, options=PredictOptions(backend=backend, gather=False,
+                                                    chunk_bytes=2048))
+report["own_rows"] = len(own.index)
+atomic_write(f"{out}/ranks/{rank_file_name(rank, world)}",
+             lambda f: save_rank_file(f, own.index, None, own.values, rank=rank,
+                                      world_size=world, n=len(ds)))
+backend.barrier("rank files written")
 if rank == 0:
-    np.save(f"{out}/sharded.npy", pred.values)
-# small host objects (file names) via a host gather
+    np.save(f"{out}/sharded.npy", merge_rank_files(f"{out}/ranks", world, len(ds)).values)
+# small host objects (file names): a host gather, then the same exactly_once
 idx = eval_shard_indices(len(ds), 16, world, rank)
-names = [f"digit-{i:04d}.png" if i >= 0 else "" for i in idx]
-rows = gather_host_rows(idx, idx >= 0, names, len(ds), backend)
+names = np.array([f"digit-{i:04d}.png" if i >= 0 else "" for i in idx], dtype=object)
+parts = [None] * world
+dist.all_gather_object(parts, (idx, names))
+rows = exactly_once(np.concatenate([p[0] for p in parts]), None,
+                    np.concatenate([p[1] for p in parts]), n=len(ds))
 report["names_ok"] = rows.values.tolist() == [f"digit-{i:04d}.png" for i in range(len(ds))]
 json.dump(report, open(f"{out}/report-{rank}.json", "w"))
 dist.destroy_process_group()
@@ -120,7 +136,9 @@ def test_three_real_processes_gather_exactly_once_in_order(tmp_path):
                                       np.load(tmp_path / "gathered-37.npy"))
     np.testing.assert_array_equal(np.load(tmp_path / "sharded.npy"),
                                   np.load(tmp_path / "gathered-360.npy"))
-    assert len(list((tmp_path / "shards").glob("rank*-of-00003.json"))) == world
+    assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == [
+        f"rank{r:05d}-of-00003.npz" for r in range(world)]
+    assert sum(r["own_rows"] for r in reports) == 360  # no rank held more than its own
     assert all(r["names_ok"] for r in reports)
 
 
@@ -129,27 +147,34 @@ import json
 import numpy as np, torch
 import torch_xla, torch_xla.runtime as xr
 xr.use_spmd()
-from tpu_helpers.data import ArrayDataset
+from tpu_helpers.data import ArrayDataset, make_eval_loader
 from course.datasets import load_digits
 from course.models import DigitsCNN
-from tpu_helpers.predict import SpmdMesh, predict
+from tpu_helpers.predict import PredictOptions, SpmdMesh, predict
 from tpu_helpers.spmd import device_mesh
 
 x, y = load_digits("test")
 ds = ArrayDataset(x, y)
 torch.manual_seed(0)
 model = DigitsCNN().eval().to(torch_xla.device())
-report = {"devices": xr.global_runtime_device_count(), "runs": []}
+devices = xr.global_runtime_device_count()
+
+def run(n, batch, options=None):  # one global batch per step: batch x devices rows
+    loader = make_eval_loader(torch.utils.data.Subset(ds, range(n)), batch * devices,
+                              world_size=1, rank=0)
+    return predict(model, loader, options=options)
+
+report = {"devices": devices, "runs": []}
 for n, batch in json.loads(CASES):
-    pred = predict(model, torch.utils.data.Subset(ds, range(n)), batch)
+    pred = run(n, batch)
     np.save(f"OUT/spmd-{n}.npy", pred.values)
     report["runs"].append([n, pred.compiles, pred.transfers_from_device, pred.padding_rows])
 # same batch, other remainders modulo (16 x 4): no new graph
-report["recompiles"] = sum(predict(model, torch.utils.data.Subset(ds, range(n)), 16).compiles
-                           for n in (359, 333, 65))
+report["recompiles"] = sum(run(n, 16).compiles for n in (359, 333, 65))
 # a 2 x 2 mesh: rows split over 'data' (2), copies over 'model' are skipped, not duplicated
 mesh = device_mesh(("data", "model"), (2, 2))
-pred = predict(model, ds, 16, backend=SpmdMesh(mesh))
+loader = make_eval_loader(ds, 16 * 2, world_size=1, rank=0)
+pred = predict(model, loader, options=PredictOptions(backend=SpmdMesh(mesh)))
 np.save("OUT/spmd-2x2.npy", pred.values)
 report["dups_2x2"] = pred.duplicates
 print(json.dumps(report))
@@ -183,10 +208,11 @@ def test_spmd_on_4_virtual_devices_same_result(tmp_path):
 
 LAUNCH = """
 import json
-import numpy as np, torch
+import numpy as np, pandas as pd, torch
 import torch_xla
 import tpu_helpers.predict  # importing must not touch the device (launch would refuse)
-from tpu_helpers.data import ArrayDataset
+from tpu_helpers.checkpoint import atomic_write
+from tpu_helpers.data import ArrayDataset, make_eval_loader
 from course.datasets import load_digits
 from course.models import DigitsCNN
 
@@ -199,8 +225,10 @@ def run(index):
     model = DigitsCNN().eval().to(torch_xla.device())
     compiles = 0
     for n in (360, 359, 17, 1):
-        pred = predict(model, torch.utils.data.Subset(ds, range(n)), 16,
-                       csv_path=f"OUT/launch-{n}.csv")
+        pred = predict(model, make_eval_loader(torch.utils.data.Subset(ds, range(n)), 16))
+        if xr.global_ordinal() == 0:
+            frame = pd.DataFrame(pred.values, index=pd.Index(pred.index, name="index"))
+            atomic_write(f"OUT/launch-{n}.csv", frame.to_csv)
         compiles += pred.compiles
     json.dump({"world": xr.world_size(), "rank": xr.global_ordinal(), "compiles": compiles},
               open("OUT/launch.json", "w"))
@@ -228,17 +256,23 @@ import json
 import numpy as np, torch
 import torch_xla, torch_xla.runtime as xr
 xr.use_spmd()
-from tpu_helpers.data import ArrayDataset
+from tpu_helpers.data import ArrayDataset, make_eval_loader
 from course.datasets import load_digits
 from course.models import DigitsCNN
-from tpu_helpers.predict import DEFAULT_CHUNK_BYTES, predict
+from tpu_helpers.predict import DEFAULT_CHUNK_BYTES, PredictOptions, predict
 
 torch.manual_seed(0)
+devices = xr.global_runtime_device_count()
 x, y = load_digits("test")
 digits = DigitsCNN().eval().to(torch_xla.device())
-whole = predict(digits, ArrayDataset(x, y), 8).values  # one chunk
+
+def run(model, ds, batch, **options):
+    loader = make_eval_loader(ds, batch * devices, world_size=1, rank=0)
+    return predict(model, loader, options=PredictOptions(**options))
+
+whole = run(digits, ArrayDataset(x, y), 8).values  # one chunk
 # tiny chunks: a flush after every step, while the next step is still executing
-tiny = [predict(digits, ArrayDataset(x, y), 8, chunk_bytes=1024) for _ in range(REPEATS)]
+tiny = [run(digits, ArrayDataset(x, y), 8, chunk_bytes=1024) for _ in range(REPEATS)]
 # an 80 MiB output: more than one chunk of the 64 MiB default
 n, width = 20480, 1024
 inputs = torch.randn(n, 16)
@@ -246,9 +280,9 @@ wide = torch.nn.Linear(16, width)
 expected = wide(inputs).detach().numpy()
 wide = wide.to(torch_xla.device())
 big = torch.utils.data.TensorDataset(inputs, torch.zeros(n, dtype=torch.long))
-default = [predict(wide, big, 256) for _ in range(REPEATS)]
+default = [run(wide, big, 256) for _ in range(REPEATS)]
 print(json.dumps({
-    "devices": xr.global_runtime_device_count(),
+    "devices": devices,
     "tiny_equal": [bool(np.array_equal(p.values, whole)) for p in tiny],
     "tiny_transfers": tiny[0].transfers_from_device,
     "big_mib": default[0].values.nbytes / 2**20,
