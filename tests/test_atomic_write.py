@@ -16,12 +16,14 @@ from tpu_helpers.checkpoint import TEMP_MARKER, atomic_write
 WRITERS = {
     # each writes version 1 (small), says so, then version 2 (large, slow to write)
     "predictions csv": """
-import sys, numpy as np
-from tpu_helpers.predict import Predictions
+import sys, numpy as np, pandas as pd
+from tpu_helpers.checkpoint import atomic_write
 path = sys.argv[1] + "/predictions.csv"
-Predictions(np.ones((3, 2), np.float32)).to_csv(path)
+def frame(values):  # what notebook 04's master writes: one row per dataset index
+    return pd.DataFrame(values, index=pd.RangeIndex(len(values), name="index"))
+atomic_write(path, frame(np.ones((3, 2), np.float32)).to_csv)
 print("v1", flush=True)
-Predictions(np.random.default_rng(0).random((3_000_000, 2), np.float32)).to_csv(path)
+atomic_write(path, frame(np.random.default_rng(0).random((3_000_000, 2), np.float32)).to_csv)
 """,
     "history.json": """
 import sys

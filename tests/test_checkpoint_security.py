@@ -1,7 +1,7 @@
 """No load path of this package runs code from a file.
 
 Every file this package reads back (a single checkpoint, the newest of a folder, the
-training script's resume, Lightning's resume and rank files, prediction shard files and
+training script's resume, Lightning's resume and rank files, prediction rank files and
 sharded checkpoints) is given a crafted payload whose ``__reduce__`` creates a folder when
 unpickled. Each must be refused with an error that names the file and says why, and the
 folder must not appear. The first test shows the payload is real: plain ``pickle`` runs it.
@@ -28,7 +28,7 @@ from tpu_helpers.checkpoint import (
     UnsafeCheckpointError,
     load_checkpoint,
 )
-from tpu_helpers.predict import PredictionError, merge_shards
+from tpu_helpers.ordering import PredictionError, merge_rank_files
 
 
 class Payload:
@@ -121,7 +121,7 @@ def test_lightning_trainer_fit_from_the_file_is_refused(tmp_path, marker):
     from course.datasets import load_digits
     from course.lightning_demo import DigitsLightningModule
     from tpu_helpers.data import ArrayDataset
-    from tpu_helpers.lightning import trainer_kwargs
+    from course.lightning_demo import trainer_kwargs_here as trainer_kwargs
 
     path = evil_torch_file(tmp_path / "last.ckpt", marker)
     trainer = L.Trainer(**trainer_kwargs(), max_epochs=1, limit_train_batches=2,
@@ -134,39 +134,34 @@ def test_lightning_trainer_fit_from_the_file_is_refused(tmp_path, marker):
 
 
 def test_lightning_rank_and_merged_files_are_refused(tmp_path, marker):
-    from tpu_helpers.lightning import MERGED_FILE, merge_rank_files, rank_file, read_predictions
+    """The Lightning writer's files use predict's rank-file protocol: npz read without pickle
+    and a JSON record; a crafted rank file or record is refused by name, no code runs."""
+    from tpu_helpers.lightning import MERGED_FILE, rank_file, read_predictions
 
-    evil_torch_file(rank_file(tmp_path, 0, 1), marker)
-    with pytest.raises(UnsafeCheckpointError, match=r"rank00000-of-00001\.pt: refused"):
-        merge_rank_files(tmp_path, world_size=1, n=3)
-    evil_torch_file(tmp_path / MERGED_FILE, marker)
-    with pytest.raises(UnsafeCheckpointError, match=r"predictions\.pt: refused"):
+    (tmp_path / MERGED_FILE).write_text(json.dumps({"world_size": 1, "n": 2}))
+    rank_file(tmp_path, 0, 1).write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(PredictionError, match=r"rank00000-of-00001\.npz"):
+        read_predictions(tmp_path)
+    (tmp_path / MERGED_FILE).write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(PredictionError, match=MERGED_FILE.replace(".", r"\.")):
         read_predictions(tmp_path)
     assert not marker.exists()
 
 
-def _shard_manifest(folder: Path, chunks: int = 1, rows: int = 2) -> None:
-    info = {"rank": 0, "world_size": 1, "n": 2, "chunks": chunks, "rows": rows}
-    (folder / "rank00000-of-00001.json").write_text(json.dumps(info))
-
-
-def test_prediction_shard_files_are_refused(tmp_path, marker):
-    _shard_manifest(tmp_path)
+def test_prediction_rank_files_are_refused(tmp_path, marker):
     values = np.empty(2, dtype=object)
     values[:] = [Payload(marker), Payload(marker)]
     buf = io.BytesIO()
-    np.savez(buf, index=np.arange(2), mask=np.ones(2, bool), values=values)
-    chunk = tmp_path / "rank00000-of-00001-chunk00000.npz"
-    chunk.write_bytes(buf.getvalue())
-    with pytest.raises(PredictionError, match=r"chunk00000\.npz: refused: not a plain shard"):
-        merge_shards(tmp_path, n=2, world_size=1)
-    chunk.write_bytes(pickle.dumps(Payload(marker)))  # not even an npz
-    with pytest.raises(PredictionError, match=r"chunk00000\.npz: refused"):
-        merge_shards(tmp_path, n=2, world_size=1)
+    np.savez(buf, index=np.arange(2), mask=np.ones(2, bool), values=values, rank=0,
+             world_size=1, n=2)
+    path = tmp_path / "rank00000-of-00001.npz"
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(PredictionError, match=r"rank00000-of-00001\.npz: refused: not a plain"):
+        merge_rank_files(tmp_path, world_size=1, n=2)
+    path.write_bytes(pickle.dumps(Payload(marker)))  # not even an npz
+    with pytest.raises(PredictionError, match=r"rank00000-of-00001\.npz: "):
+        merge_rank_files(tmp_path, world_size=1, n=2)
     assert not marker.exists()
-    (tmp_path / "rank00000-of-00001.json").write_text("{not json")
-    with pytest.raises(PredictionError, match=r"rank00000-of-00001\.json: not a readable"):
-        merge_shards(tmp_path, n=2, world_size=1)
 
 
 SHARDED = """

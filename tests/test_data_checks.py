@@ -263,7 +263,7 @@ def test_checking_collate_keeps_the_default_format():
 
 PREDICT_ODD = """
 import torch, torch_xla
-from tpu_helpers.data import DataError
+from tpu_helpers.data import DataError, make_eval_loader
 from tpu_helpers.predict import predict
 
 class OddItem(torch.utils.data.Dataset):
@@ -279,7 +279,7 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 2).to(torch_xla.device())
 for bad in (7, 2):  # in batch 1 (after a step ran), in batch 0 (before any)
     try:
-        predict(model, OddItem(bad), batch_size=4)
+        predict(model, make_eval_loader(OddItem(bad), 4))
     except DataError as exc:
         print("DataError:", exc)
 """
