@@ -120,8 +120,8 @@ def test_lightning_trainer_fit_from_the_file_is_refused(tmp_path, marker):
 
     from course.datasets import load_digits
     from course.lightning_demo import DigitsLightningModule
-    from tpu_helpers.data import ArrayDataset
     from course.lightning_demo import trainer_kwargs_here as trainer_kwargs
+    from tpu_helpers.data import ArrayDataset
 
     path = evil_torch_file(tmp_path / "last.ckpt", marker)
     trainer = L.Trainer(**trainer_kwargs(), max_epochs=1, limit_train_batches=2,
