@@ -53,7 +53,7 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 try:  # inside the tpu_helpers package
     from . import checkpoint
@@ -154,26 +154,27 @@ def make_loaders(data: Data, config: Config, world: int,
                  rank: int) -> tuple[DataLoader, DataLoader | None]:
     """This replica's loaders: a shuffled shard in full batches, and a padded eval shard.
 
-    ``BatchSampler`` + ``batch_size=None``: a batch is one tensor gather, not 64 lookups.
     Evaluation pads with masked rows up to whole batches on every replica, so any size
     splits over any number of devices and each real row counts exactly once.
     """
-    x, y, ex, ey = (None if a is None else torch.as_tensor(a) for a in data)
-    sampler = DistributedSampler(TensorDataset(x, y), world, rank, shuffle=True,
-                                 seed=config.seed)
-    batches = BatchSampler(sampler, config.batch_size // world, drop_last=True)
-    train = DataLoader(TensorDataset(x.float(), y.long()), sampler=batches, batch_size=None)
+    x, y, ex, ey = data
+    train_set = TensorDataset(torch.from_numpy(np.asarray(x, np.float32)),
+                              torch.from_numpy(np.asarray(y, np.int64)))
+    sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=config.seed)
+    train = DataLoader(train_set, batch_size=config.batch_size // world, sampler=sampler,
+                       drop_last=True)
     if len(train) == 0:
         raise ValueError(f"{len(x)} samples over {world} replica(s) give no batch of "
                          f"{config.batch_size // world}: use a smaller batch_size")
     if ex is None:
         return train, None
     per = config.eval_batch_size // world
-    n, total = len(ex), -(-len(ex) // (per * world)) * per * world
-    rows = torch.arange(total)
-    padded = TensorDataset(ex[rows % n].float(), ey[rows % n].long(), rows < n)
-    shard = BatchSampler(DistributedSampler(padded, world, rank, shuffle=False), per, False)
-    return train, DataLoader(padded, sampler=shard, batch_size=None)
+    rows = np.arange(-(-len(ex) // (per * world)) * per * world)  # whole batches everywhere
+    padded = TensorDataset(torch.from_numpy(np.asarray(ex, np.float32)[rows % len(ex)]),
+                           torch.from_numpy(np.asarray(ey, np.int64)[rows % len(ex)]),
+                           torch.from_numpy(rows < len(ex)))  # the mask: real rows
+    shard = DistributedSampler(padded, world, rank, shuffle=False)
+    return train, DataLoader(padded, batch_size=per, sampler=shard)
 
 
 # --------------------------------------------------------------------------- the step
@@ -248,7 +249,7 @@ def fit(config: Config, data: Data | None = None,
             print(f"[step {step}] loss {loss_sum / count:.4f} acc {correct / count:.3f}")
 
     while run.epoch < config.epochs and run.step < run.last:
-        train_loader.sampler.sampler.set_epoch(run.epoch)  # the DistributedSampler
+        train_loader.sampler.set_epoch(run.epoch)
         loader = pl.MpDeviceLoader(itertools.islice(train_loader, run.batch, None), device,
                                    input_sharding=sharding)
         totals, started, compiles = run.totals.to(device), time.perf_counter(), _compiles()
@@ -268,9 +269,10 @@ def fit(config: Config, data: Data | None = None,
         torch_xla.sync()
         if run.batch < len(train_loader):
             break  # stopped by max_steps inside the epoch (checkpointed above)
-        run.end_epoch(model, optimizer, totals, evaluate(model, pl.MpDeviceLoader(
-            eval_loader, device, input_sharding=sharding)) if eval_loader else None,
-            time.perf_counter() - started, _compiles() - compiles)
+        seconds = time.perf_counter() - started
+        held_out = None if eval_loader is None else evaluate(
+            model, pl.MpDeviceLoader(eval_loader, device, input_sharding=sharding))
+        run.end_epoch(model, optimizer, totals, held_out, seconds, _compiles() - compiles)
     return run.finish(model)
 
 
