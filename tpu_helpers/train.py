@@ -533,7 +533,7 @@ def train(config: Config, data: Data | None = None,
 
 def parser() -> argparse.ArgumentParser:
     """The command line, one flag per :class:`Config` field."""
-    p = argparse.ArgumentParser(prog="python -m tpu_helpers.train", description=(
+    p = argparse.ArgumentParser(description=(
         "Train on every TPU core (or XLA:CPU): torch_xla.launch, or --spmd. Resumes from "
         "OUT_DIR/checkpoints. Run the same command on every worker of a TPU pod."))
     for f in dataclasses.fields(Config):
