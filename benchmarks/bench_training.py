@@ -23,11 +23,12 @@ Every row trains ``course.models.DigitsCNN`` on the shipped digits (train split,
   (c) Lightning's ``Trainer`` on XLA: ``Trainer(**tpu_helpers.lightning.trainer_kwargs(1))``
       with ``DigitsLightningModule`` (loss logged per epoch, no per-step sync), progress bar
       on (its output hidden), checkpointing and logger off, plain ``DataLoader``.
-  (d) ours: ``tpu_helpers.train.train_epoch`` (the loop ``fit`` and notebook 03 use) over
-      ``MpDeviceLoader(make_train_loader(...))``, AdamW, logging every 20 steps in a step
-      closure, one summary read per epoch.
-  (e) the ceiling: ``tpu_helpers.train.train_step`` on batches already on the device, one
-      sync per step, no loader, no logging.
+  (d) ours: ``tpu_helpers.train.fit`` itself (the per-replica function notebook 03 teaches)
+      on this data without held-out data or checkpoints: its ``DataLoader`` +
+      ``MpDeviceLoader``, AdamW, the device RNG seeded per step, logging every 20 steps in a
+      step closure, one summary read per epoch. Timed from when it builds the model.
+  (e) the ceiling: ``tpu_helpers.train.train_step`` on ``fit``'s batches already on the
+      device, one sync per step, no loader, no logging.
   (d') and (e'): (d) and (e) with (b)'s optimizer, SGD(lr=0.01, momentum=0.5). Each source
       brings its own optimizer (Adam, SGD, AdamW) and on a small model the optimizer's
       share of a step is large (AdamW's update traces several ops per parameter), so
@@ -52,6 +53,7 @@ load than wall time), peak host RSS of the row's process, steps run per run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import io
 import json
@@ -312,47 +314,28 @@ def lightning_row(epochs: int, images, labels) -> None:
 # --------------------------------------------------------------------------- (d) ours
 
 
-def _optimizer(model, config, sgd: bool):
-    import torch
-
-    if sgd:
-        return torch.optim.SGD(model.parameters(), **UPSTREAM_SGD)
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-
-
 def ours_row(epochs: int, images, labels, sgd: bool = False) -> None:
-    """tpu_helpers.train.train_epoch, as fit() runs it (without evaluation/checkpoints)."""
-    import torch
-    import torch_xla
-    import torch_xla.distributed.parallel_loader as pl
-    import torch_xla.runtime as xr
-
+    """tpu_helpers.train.fit itself, on this data, without evaluation or checkpoints."""
     from course.models import DigitsCNN
-    from tpu_helpers.data import ArrayDataset, make_train_loader
-    from tpu_helpers.train import TrainConfig, train_epoch
+    from tpu_helpers.train import fit
 
-    config = TrainConfig(batch_size=BATCH_SIZE, log_every=LOG_EVERY)
-    device = torch_xla.device()
-    torch.manual_seed(config.seed)
-    model = DigitsCNN().to(device)
-    optimizer = _optimizer(model, config, sgd)
-    loader = make_train_loader(ArrayDataset(images, labels), config.batch_size // xr.world_size())
-    logged = []
+    def model_fn():  # fit calls it after building its loaders: the window starts here
+        model = DigitsCNN()
+        model.register_forward_pre_hook(lambda *_: BENCH.step())  # one forward per step
+        BENCH.start()
+        return model
 
-    def on_log(k, totals):  # a step closure: runs after step k executed
-        logged.append(totals.cpu())
-
-    step = 0
-    BENCH.start()
-    for epoch in range(epochs):
-        loader.sampler.set_epoch(epoch)
-        totals = train_epoch(model, optimizer, pl.MpDeviceLoader(loader, device),
-                             log_every=config.log_every, on_log=on_log,
-                             after_step=lambda k, _totals: BENCH.step(), seed=config.seed,
-                             first_step=step)
-        step += len(loader)
-        logged.append(totals.cpu())  # the epoch summary, as fit() reads it
+    fit(_config(epochs, sgd), (images, labels, None, None), model_fn)
     BENCH.stop()
+
+
+def _config(epochs: int, sgd: bool):
+    from tpu_helpers.train import Config
+
+    config = Config(epochs=epochs, batch_size=BATCH_SIZE, log_every=LOG_EVERY)
+    if sgd:
+        return dataclasses.replace(config, optimizer="sgd", **UPSTREAM_SGD)
+    return config
 
 
 # --------------------------------------------------------------------------- (e) ceiling
@@ -364,16 +347,14 @@ def ceiling_row(epochs: int, images, labels, sgd: bool = False) -> None:
     import torch_xla
 
     from course.models import DigitsCNN
-    from tpu_helpers.data import ArrayDataset, make_train_loader
-    from tpu_helpers.train import TrainConfig, train_step
+    from tpu_helpers.train import make_loaders, make_optimizer, train_step
 
-    config = TrainConfig(batch_size=BATCH_SIZE)
+    config = _config(epochs, sgd)
     device = torch_xla.device()
     torch.manual_seed(config.seed)
     model = DigitsCNN().to(device)
-    optimizer = _optimizer(model, config, sgd)
-    loader = make_train_loader(ArrayDataset(images, labels), config.batch_size, world_size=1,
-                               rank=0)
+    optimizer = make_optimizer(config, model)
+    loader, _ = make_loaders((images, labels, None, None), config, world=1, rank=0)
     batches = [(x.to(device), y.to(device)) for x, y in loader]
     torch_xla.sync()
     BENCH.start()

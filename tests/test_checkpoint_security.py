@@ -95,8 +95,7 @@ def test_training_script_resume_refuses_the_file(tmp_path, marker):
     evil_torch_file(CheckpointDir(out / "checkpoints").path_for(6), marker)
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tpu_helpers.train", "--out-dir", str(out), "--epochs", "1",
-         "--progress", "none", "--start-method", "fork"],
+        [sys.executable, "-m", "tpu_helpers.train", "--out-dir", str(out), "--epochs", "1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "step-00000006.pt: refused: not a plain checkpoint" in proc.stderr

@@ -11,25 +11,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, run_python
 
+from course.datasets import load_digits
 from tpu_helpers.checkpoint import CheckpointDir, load_checkpoint
 from tpu_helpers.compile_cache import compile_cache_dir, enable_compile_cache
 from tpu_helpers.env import Runtime, layout_for
-from tpu_helpers.train import TrainConfig, max_abs_diff
+from tpu_helpers.train import Config, max_abs_diff
 
 # 1,437 training images / global batch 128 = 11 steps per epoch: 16 steps cross an epoch
 # end (evaluation, epoch checkpoint) and stop mid-epoch 2. Checkpoints every 3 steps.
 STEPS = 16
 
 
+def digits_npz(folder: Path) -> list[str]:
+    """The shipped digits as the script's --data/--eval-data files (arrays x, y)."""
+    for split in ("train", "test"):
+        x, y = load_digits(split)
+        np.savez(folder / f"digits-{split}.npz", x=x, y=y)
+    return ["--data", str(folder / "digits-train.npz"),
+            "--eval-data", str(folder / "digits-test.npz")]
+
+
 def _train_cmd(out: Path, *extra: str, checkpoint_every: int = 3) -> list[str]:
     return [sys.executable, "-m", "tpu_helpers.train", "--out-dir", str(out),
-            "--batch-size", "128", "--max-steps", str(STEPS),
+            *digits_npz(out.parent), "--batch-size", "128", "--max-steps", str(STEPS),
             "--checkpoint-every", str(checkpoint_every), "--log-every", "4",
-            "--progress", "lines", "--start-method", "fork", *extra]
+            "--progress", *extra]
 
 
 def _popen(cmd: list[str]) -> subprocess.Popen[str]:
@@ -49,7 +60,7 @@ def test_sigkill_at_a_random_step_then_resume_gives_bit_identical_weights(tmp_pa
     cache = tmp_path / "xla-cache"
     # The uninterrupted run and the run to be killed start together (2 cores). The
     # reference does not checkpoint mid-epoch at all: the schedule must not matter.
-    ref = _popen(_train_cmd(whole, "--compile-cache", "off", checkpoint_every=0))
+    ref = _popen(_train_cmd(whole, checkpoint_every=0))
     victim = _popen(_train_cmd(killed, "--compile-cache", str(cache)))
     seen = []
     try:
@@ -170,11 +181,11 @@ def test_script_help_names_the_modes_and_who_writes():
 
 def test_config_rejects_bad_settings_before_anything_runs():
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
-        TrainConfig(batch_size=0)
-    with pytest.raises(ValueError, match="progress must be one of"):
-        TrainConfig(progress="fancy")
-    with pytest.raises(ValueError, match="storage must be"):
-        TrainConfig(storage="nfs")
+        Config(batch_size=0)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        Config(optimizer="adam")
+    with pytest.raises(ValueError, match="storage must be one of"):
+        Config(storage="nfs")
     with pytest.raises(ValueError, match="differ in keys"):
         max_abs_diff({"a": torch.zeros(1)}, {"b": torch.zeros(1)})
 
@@ -183,9 +194,9 @@ def test_spmd_batch_must_split_over_the_devices():
     proc = run_python("""
         from tpu_helpers.env import configure_emulation
         configure_emulation(num_devices=4)
-        from tpu_helpers.train import TrainConfig, train
+        from tpu_helpers.train import Config, train
         try:
-            train(TrainConfig(spmd=True, batch_size=66, progress="none"))
+            train(Config(spmd=True, batch_size=66))
         except ValueError as exc:
             print("ERROR", exc)
         """, timeout=300)

@@ -7,6 +7,7 @@ tests/test_train.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,19 +16,22 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
+from test_train import digits_npz
 
 from course.models import DigitsCNN
 from tpu_helpers.checkpoint import CheckpointDir, load_checkpoint
-from tpu_helpers.train import ResumeMismatch, TrainConfig, resume_from
+from tpu_helpers.train import Config, ResumeMismatch, resume_from
 
 METRICS = ("epoch", "steps", "step", "train_loss", "train_acc", "eval_loss", "eval_acc",
            "eval_count")
 
 
-def train(out: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def train(out: Path, *args: str, check: bool = True,
+          devices: int = 1) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "tpu_helpers.train", "--out-dir", str(out), "--log-every", "4",
-           "--progress", "none", "--start-method", "fork", "--compile-cache", "off", *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+           *digits_npz(out.parent), *args]
+    env = {**os.environ, "CPU_NUM_DEVICES": str(devices)}  # XLA:CPU devices (for --spmd)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
@@ -55,7 +59,7 @@ def test_resume_refuses_other_settings_then_matches_an_uninterrupted_run(tmp_pat
     saved = load_checkpoint(split / "checkpoints" / ckpt)
     model = DigitsCNN()
     optimizer = torch.optim.AdamW(model.parameters())
-    config = TrainConfig(batch_size=128)
+    config = Config(batch_size=128)
     settings = saved["extra"]["settings"]
     assert settings == {"mode": "launch", "world_size": 1, "devices": 1, "batch_size": 128,
                         "seed": 0, "train_samples": 1437, "steps_per_epoch": 11}
@@ -66,13 +70,13 @@ def test_resume_refuses_other_settings_then_matches_an_uninterrupted_run(tmp_pat
             resume_from(saved, split / "checkpoints" / ckpt, config, {**settings, key: value},
                         model, optimizer)
     # and through the script, as a user meets it
-    for args, expected in (
-        (["--batch-size", "64"], ["batch_size=128 in the checkpoint, 64 now"]),
-        (["--batch-size", "128", "--spmd", "--cpu-devices", "2"],
+    for args, devices, expected in (
+        (["--batch-size", "64"], 1, ["batch_size=128 in the checkpoint, 64 now"]),
+        (["--batch-size", "128", "--spmd"], 2,
          ["mode='launch' in the checkpoint, 'spmd' now",
           "devices=1 in the checkpoint, 2 now"]),
     ):
-        proc = train(split, "--epochs", "2", *args, check=False)
+        proc = train(split, "--epochs", "2", *args, check=False, devices=devices)
         assert proc.returncode != 0
         err = " ".join(proc.stderr.split())
         assert f"{ckpt}: written with other run settings" in err, err[-2000:]

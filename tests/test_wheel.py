@@ -49,8 +49,7 @@ def test_wheel_installs_alone_and_carries_the_data(tmp_path):
     assert report["digits"] == [1437, 1, 8, 8] and report["table"] == [569, 30]
     # the training script runs from the wheel too
     run = subprocess.run([sys.executable, "-m", "tpu_helpers.train", "--max-steps", "2",
-                          "--out-dir", str(tmp_path / "run"), "--progress", "none",
-                          "--start-method", "fork", "--compile-cache", "off"],
+                          "--out-dir", str(tmp_path / "run")],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "history.json").read_text())["total_steps"] == 2
