@@ -289,8 +289,8 @@ def lightning_row(epochs: int, images, labels) -> None:
     from torch.utils.data import DataLoader
 
     from course.lightning_demo import DigitsLightningModule
+    from course.lightning_demo import trainer_kwargs_here as trainer_kwargs
     from tpu_helpers.data import ArrayDataset
-    from tpu_helpers.lightning import trainer_kwargs
 
     class Window(L.Callback):
         def on_train_start(self, trainer, pl_module):
