@@ -1,29 +1,17 @@
 """Checkpoints that survive preemption: complete state, written atomically, loaded safely.
 
-Taught in ``notebooks/03_multicore_training.ipynb``; :mod:`tpu_helpers.train` saves one
-every epoch (and every N steps if asked) and resumes from the newest one.
+Taught in ``notebooks/03_multicore_training.ipynb``; needs no sibling (``train.py`` needs it).
 
-What a resumable checkpoint holds (:func:`capture_training_state`): model and optimizer
-state (moved to the CPU), the epoch, the global step, the batch position inside the
-epoch, the sampler epoch, and every RNG the run draws from (torch CPU, numpy, Python
-``random`` and the XLA device RNG ``xm.get_rng_state()``), so a resumed run continues
-bit for bit where the killed one stopped.
-
-How it is written (:func:`save_checkpoint`):
-
-* every replica calls it (the same work on every replica, so nobody waits in a
-  collective or barrier that another replica skipped); only the writer touches the
-  disk: global ordinal 0 for storage every host shares, local ordinal 0 of each host for
-  local disks (:func:`is_checkpoint_writer`);
-* atomically: a temp file in the same folder, ``fsync``, then ``os.replace`` onto the
-  final name, so a kill at any moment leaves either the old file or the new one, never a
-  half-written one;
-* then a barrier, so no replica reads a file the writer has not finished.
-
-How it is read (:func:`load_checkpoint`): ``torch.load(weights_only=True)`` (tensors and
-plain containers only: a checkpoint cannot run code), with one clear error naming the file
-for a missing, truncated or unsafe file. :class:`CheckpointDir` keeps numbered step
-checkpoints plus ``best.pt`` and finds the newest one that loads.
+* Complete (:func:`capture_training_state`): model and optimizer state, epoch, global step,
+  batch position inside the epoch, and every RNG (torch CPU, numpy, Python ``random``, the
+  XLA device RNG), so a resumed run continues bit for bit.
+* Written by every replica, on disk by one (:func:`save_checkpoint`): global ordinal 0 for
+  storage all hosts share, local ordinal 0 of each host for local disks
+  (:func:`is_checkpoint_writer`); then a barrier, so nobody reads an unfinished file.
+* Atomic (:func:`atomic_write`, the one way this package writes a file): a temp file in the
+  same folder, ``fsync``, ``os.replace``: a kill leaves the old file or the new one.
+* Loaded safely (:func:`load_checkpoint`): ``torch.load(weights_only=True)``, one clear error
+  naming the file. :class:`CheckpointDir` keeps numbered step checkpoints and ``best.pt``.
 
 Nothing here touches the XLA device at import time.
 """

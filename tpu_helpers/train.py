@@ -8,16 +8,13 @@ else. It is also a script, here or on every worker of a TPU pod::
     python -m tpu_helpers.train --data train.npz --eval-data test.npz --out-dir runs/a
     python -m tpu_helpers.train --spmd ...           # one process drives every device
 
-* :func:`fit` is the per-replica program (pytorch/xla ``test/test_train_mp_mnist.py``'s
-  ``train_mnist``): loaders (``DistributedSampler``, ``pl.MpDeviceLoader``), the model,
-  ``xm.broadcast_master_param``, then the loop: :func:`train_step` (ending in
-  ``xm.optimizer_step``), logging in a step closure (``xm.add_step_closure``: no extra
-  graph, one read), checkpoints, evaluation with padded + masked batches.
-* SPMD is a small delta (``config.spmd``): one process, a 1-D device mesh, the input batch
-  sharded on it by ``MpDeviceLoader(input_sharding=...)``; no replica all-reduce happens.
-* :func:`train` runs :func:`fit` under ``torch_xla.launch`` (via :func:`launch`, whose
-  failures name the rank) or under SPMD. Every option is a field of :class:`Config`; the
-  command line is generated from those fields.
+* :func:`fit`, the per-replica program (as upstream's ``test/test_train_mp_mnist.py``):
+  loaders, model, ``xm.broadcast_master_param``, then the loop: :func:`train_step` (ending in
+  ``xm.optimizer_step``), logging in a step closure, checkpoints, masked evaluation.
+* SPMD is a small delta (``config.spmd``): one process, a 1-D mesh, the batch sharded by
+  ``MpDeviceLoader(input_sharding=...)``.
+* :func:`train` runs :func:`fit` under :func:`launch` (``torch_xla.launch`` whose failures
+  name the rank) or under SPMD. Options: :class:`Config`; the command line comes from it.
 
 Batch sizes are GLOBAL: ``batch_size`` samples per optimizer step over all replicas; each of
 ``world_size`` replicas loads ``batch_size // world_size`` (it must divide). Resuming from
