@@ -19,8 +19,7 @@ from typing import NamedTuple
 #: Variables Kaggle's TPU images set for their own launcher; they confuse torch_xla.launch.
 KAGGLE_LAUNCHER_VARS = ("TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID")
 #: Google's PCI device id -> TPU generation (torch_xla/_internal/tpu.py, v2.9.0; v2 = v3's id).
-_PCI_GENERATION = {"0x0027": "v3", "0x005e": "v4", "0x0063": "v5e", "0x0062": "v5p",
-                   "0x006f": "v6e"}
+_PCI = {"0x0027": "v3", "0x005e": "v4", "0x0063": "v5e", "0x0062": "v5p", "0x006f": "v6e"}
 
 
 class EnvironmentProblem(RuntimeError):
@@ -79,8 +78,7 @@ class Runtime:
                  "local": "a machine without TPU"}[self.platform]
         if not self.has_tpu:
             return f"{where}: no TPU attached, using the XLA:CPU emulation (PJRT_DEVICE=CPU)"
-        accel = self.accelerator_type or f"{self.tpu_generation} x{self.chips}"
-        lay = self.layout
+        lay, accel = self.layout, self.accelerator_type or f"{self.tpu_generation} x{self.chips}"
         return (f"{where}: TPU {accel}; torch_xla.launch runs {lay.processes} process(es) x "
                 f"{lay.devices_per_process} device(s) = world size {lay.world_size}")
 
@@ -95,8 +93,8 @@ def tpu_chips(pci_root: str | Path = "/sys/bus/pci/devices") -> tuple[int, str |
             dev = (vendor.parent / "device").read_text().strip()
         except OSError:
             continue
-        if dev in _PCI_GENERATION:
-            chips, gen = chips + 1, _PCI_GENERATION[dev]
+        if dev in _PCI:
+            chips, gen = chips + 1, _PCI[dev]
     return chips, gen
 
 
