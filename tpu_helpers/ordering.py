@@ -1,15 +1,9 @@
 """Every prediction exactly once, in dataset order: the pure part (numpy + stdlib only).
 
-Taught in ``notebooks/04_prediction_gathering.ipynb``. Needs no sibling (``predict.py`` and
-``lightning.py`` import it). No torch: copy it into any project.
-
-* :func:`exactly_once` ``(index, mask, values)``: gathered rows from every replica, in any
-  order, with padding (mask False) and repeats, become one row per dataset index, in order.
-* :class:`OrderedBuffer`: the same over chunks; the host holds the result plus one chunk.
-* The rank-file protocol, for outputs too big to gather: every rank writes its own rows with
-  :func:`save_rank_file` to :func:`rank_file_name` (atomically, e.g.
-  ``checkpoint.atomic_write(path, lambda f: save_rank_file(f, ...))``), and the master reads
-  them back with :func:`merge_rank_files` (no pickle: a crafted file cannot run code).
+Taught in ``notebooks/04_prediction_gathering.ipynb``. Needs no sibling; no torch.
+:func:`exactly_once` orders gathered rows (padding and repeats dropped), :class:`OrderedBuffer`
+does it over chunks, and rank files (:func:`save_rank_file`, :func:`merge_rank_files`, read
+without pickle) carry outputs too big to gather.
 """
 
 from __future__ import annotations
@@ -27,60 +21,34 @@ class PredictionError(ValueError):
 
 class Ordered(NamedTuple):
     """Rows in dataset order: ``values[i]`` belongs to dataset index ``index[i]``."""
-
     index: np.ndarray  # int64 [m], strictly increasing
     values: np.ndarray  # [m, ...]
     duplicates: int  # real rows dropped because their index had already been seen
 
 
 def _host_array(a: Any, what: str) -> np.ndarray:
-    """numpy (or a CPU tensor, via ``__array__``); device tensors are refused, not fetched."""
     device = getattr(a, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
-        raise TypeError(f"{what} is on device {device}; exactly_once works on host data: move "
-                        "the gathered tensors to the host first, in one transfer (not row by "
-                        "row).")
+        raise TypeError(f"{what} is on device {device}: move the gathered tensors to the host "
+                        "first, in one transfer.")
     return np.asarray(a)
 
 
 def _missing(n: int, present: np.ndarray) -> PredictionError:
     missing = np.setdiff1d(np.arange(n, dtype=np.int64), present, assume_unique=True)
-    return PredictionError(
-        f"{missing.size} of {n} dataset indices are missing from the gathered rows "
-        f"(first: {missing[:8].tolist()}): a replica's rows were lost or never gathered.")
-
-
-def _check_range(real_idx: np.ndarray, real_pos: np.ndarray, shape: tuple, n: int | None
-                 ) -> None:
-    """Real rows must have an index >= 0 and < n; name the first row that has not."""
-    if not real_idx.size:
-        return
-    low, high = int(np.argmin(real_idx)), int(np.argmax(real_idx))
-    if real_idx[low] < 0:
-        row = tuple(int(r) for r in np.unravel_index(real_pos[low], shape))
-        raise PredictionError(f"row {row} is marked real (mask True) but has index "
-                              f"{int(real_idx[low])}: padding rows must have mask False.")
-    if n is not None and real_idx[high] >= n:
-        row = tuple(int(r) for r in np.unravel_index(real_pos[high], shape))
-        raise PredictionError(f"row {row} has dataset index {int(real_idx[high])}, out of "
-                              f"range for a dataset of {n} samples.")
+    return PredictionError(f"{missing.size} of {n} dataset indices are missing from the gathered "
+                           f"rows (first: {missing[:8].tolist()}): a replica's rows were lost.")
 
 
 def exactly_once(index: Any, mask: Any, values: Any, n: int | None = None, *,
                  complete: bool = True) -> Ordered:
     """Order gathered rows by dataset index, drop padding and repeats, check the count.
 
-    * ``index``: integers of any shape (``[rows]``, or ``[world, steps, batch]`` straight
-      from a gather), the dataset index of each row; ``-1`` on padding rows.
-    * ``mask``: booleans of ``index``'s shape, True on real rows (``None``: ``index >= 0``).
-      Masked-out rows are dropped whatever their index.
-    * ``values``: an array of shape ``index.shape + row_shape`` (object arrays too).
-    * ``n``: the dataset length: real indices must be in ``0..n-1`` and, with
-      ``complete=True``, each of ``0..n-1`` must be present.
-
-    A real row repeating an index already seen is dropped (the first in gather order wins)
-    and counted in ``duplicates``. Raises :class:`PredictionError` naming the bad row or
-    the missing indices; ``TypeError`` for device tensors or non-integer indices.
+    ``index``: integers of any shape (e.g. ``[world, steps, batch]``), -1 on padding;
+    ``mask``: True on real rows (``None``: ``index >= 0``); ``values``: ``index.shape +
+    row_shape`` (object arrays too). Real indices must be in ``0..n-1`` and, with
+    ``complete``, all present. Repeats: the first in gather order wins, the rest are counted.
+    Raises :class:`PredictionError` naming the bad row or the missing indices.
     """
     idx = _host_array(index, "index")
     if idx.dtype.kind not in "iu":
@@ -94,26 +62,23 @@ def exactly_once(index: Any, mask: Any, values: Any, n: int | None = None, *,
                               f"equal the index shape {idx.shape} (one row per index).")
     real_pos = np.flatnonzero(real.reshape(-1))
     real_idx = idx.reshape(-1).astype(np.int64, copy=False)[real_pos]
-    _check_range(real_idx, real_pos, idx.shape, n)
-    order = np.argsort(real_idx, kind="stable")
-    sorted_idx = real_idx[order]
-    first = np.ones(sorted_idx.shape, dtype=bool)
-    first[1:] = sorted_idx[1:] != sorted_idx[:-1]
-    out_idx = sorted_idx[first]
+    bad = (real_idx < 0) if n is None else (real_idx < 0) | (real_idx >= n)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        row, i = tuple(int(r) for r in np.unravel_index(real_pos[k], idx.shape)), real_idx[k]
+        raise PredictionError(f"row {row} is marked real (mask True) but has index {i}: padding "
+                              "rows must have mask False." if i < 0 else f"row {row} has dataset "
+                              f"index {i}, out of range for a dataset of {n} samples.")
+    out_idx, first = np.unique(real_idx, return_index=True)  # first occurrence of each
     if n is not None and complete and out_idx.size != n:
         raise _missing(n, out_idx)
-    rows = vals.reshape(-1, *vals.shape[idx.ndim:])[real_pos[order[first]]]
-    return Ordered(out_idx, rows, int(sorted_idx.size - out_idx.size))
+    rows = vals.reshape(-1, *vals.shape[idx.ndim:])[real_pos[first]]
+    return Ordered(out_idx, rows, int(real_idx.size - out_idx.size))
 
 
 class OrderedBuffer:
-    """:func:`exactly_once` over chunks: host memory is the result plus one chunk.
-
-    ``add(index, mask, values)`` for each gathered chunk (any order, any split), then
-    ``result()``. The result ``[n, ...]`` is allocated on the first ``add``; each chunk is
-    ordered by :func:`exactly_once` and written into place. ``duplicates``,
-    ``padding_rows`` and ``chunk_bytes_max`` (the largest chunk handed in) are counted.
-    """
+    """:func:`exactly_once` over chunks (``add`` each, then ``result``): host memory is the
+    result plus one chunk. Counts ``duplicates``, ``padding_rows`` and ``chunk_bytes_max``."""
 
     def __init__(self, n: int) -> None:
         if n < 1:
@@ -153,9 +118,6 @@ class OrderedBuffer:
         return Ordered(np.arange(self.n, dtype=np.int64), self._values, self.duplicates)
 
 
-# --------------------------------------------------------------------------- rank files
-
-
 def rank_file_name(rank: int, world_size: int) -> str:
     """``rank00000-of-00002.npz``: the file rank ``rank`` of ``world_size`` writes."""
     return f"rank{rank:05d}-of-{world_size:05d}.npz"
@@ -163,11 +125,8 @@ def rank_file_name(rank: int, world_size: int) -> str:
 
 def save_rank_file(f: BinaryIO, index: Any, mask: Any, values: Any, *, rank: int,
                    world_size: int, n: int) -> None:
-    """One rank's rows as a plain ``.npz`` (no pickle) to the open binary file ``f``.
-
-    ``index``/``mask``/``values`` as for :func:`exactly_once`. Write atomically:
-    ``atomic_write(folder / rank_file_name(rank, world), lambda f: save_rank_file(f, ...))``.
-    """
+    """One rank's rows (as for :func:`exactly_once`) as a plain ``.npz`` to the open file ``f``;
+    write it atomically, e.g. with ``checkpoint.atomic_write``."""
     idx, vals = _host_array(index, "index"), _host_array(values, "values")
     msk = idx >= 0 if mask is None else _host_array(mask, "mask").astype(bool)
     if vals.dtype == object:
@@ -178,44 +137,33 @@ def save_rank_file(f: BinaryIO, index: Any, mask: Any, values: Any, *, rank: int
              rank=rank, world_size=world_size, n=n)
 
 
-def _read_rank_file(path: Path, rank: int, world_size: int, n: int) -> tuple[np.ndarray, ...]:
-    """One rank file's arrays, loaded without pickle and checked against the merge."""
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            header = {k: int(z[k]) for k in ("rank", "world_size", "n")}
-            arrays = z["index"], z["mask"], z["values"]
-    except ValueError as exc:
-        if "pickle" in str(exc):
-            raise PredictionError(
-                f"{path}: refused: not a plain rank file, it holds pickled Python objects "
-                "(loaded with allow_pickle=False: nothing from it was run).") from None
-        raise PredictionError(f"{path}: corrupt rank file ({exc}).") from exc
-    except (OSError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-        raise PredictionError(f"{path}: corrupt, truncated or not a rank file "
-                              f"({type(exc).__name__}: {exc}).") from exc
-    want = {"rank": rank, "world_size": world_size, "n": n}
-    if header != want:
-        raise PredictionError(f"{path}: written for {header}, merging {want}.")
-    return arrays
-
-
 def merge_rank_files(folder: str | Path, world_size: int, n: int) -> Ordered:
-    """Every rank's file in ``folder`` merged into dataset order, one file in memory at a time.
-
-    Checks that each rank's file exists, was written for this ``world_size`` and ``n``, and
-    that the rows cover ``0..n-1`` exactly once (repeats dropped and counted). Files are read
-    with ``allow_pickle=False``. Raises :class:`PredictionError` naming the missing, refused
-    or inconsistent file.
-    """
+    """Every rank's file in ``folder`` in dataset order, one file in memory at a time; read with
+    ``allow_pickle=False``. :class:`PredictionError` names a missing, refused or bad file."""
     buffer = OrderedBuffer(n)
     for rank in range(world_size):
         path = Path(folder) / rank_file_name(rank, world_size)
         if not path.is_file():
             raise PredictionError(f"{path}: missing; rank {rank} did not finish writing its "
                                   "predictions.")
-        index, mask, values = _read_rank_file(path, rank, world_size, n)
         try:
-            buffer.add(index, mask, values)
+            with np.load(path, allow_pickle=False) as z:
+                header = {k: int(z[k]) for k in ("rank", "world_size", "n")}
+                arrays = z["index"], z["mask"], z["values"]
+        except ValueError as exc:
+            if "pickle" in str(exc):
+                raise PredictionError(
+                    f"{path}: refused: not a plain rank file, it holds pickled Python objects "
+                    "(loaded with allow_pickle=False: nothing from it was run).") from None
+            raise PredictionError(f"{path}: corrupt rank file ({exc}).") from exc
+        except (OSError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+            raise PredictionError(f"{path}: corrupt, truncated or not a rank file "
+                                  f"({type(exc).__name__}: {exc}).") from exc
+        want = {"rank": rank, "world_size": world_size, "n": n}
+        if header != want:
+            raise PredictionError(f"{path}: written for {header}, merging {want}.")
+        try:
+            buffer.add(*arrays)
         except PredictionError as exc:
             raise PredictionError(f"{path}: {exc}") from None
     return buffer.result()

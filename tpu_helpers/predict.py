@@ -1,25 +1,18 @@
 """Predictions from every replica, exactly once, in dataset order: the loop and the backends.
 
-Taught in ``notebooks/04_prediction_gathering.ipynb``; needs ``ordering.py`` (the ordering).
-
-``predict(model, loader)`` runs on every replica over a loader the caller built: full
-batches ``(x, ..., index, mask)``, padded with index -1 / mask False
-(``tpu_helpers.data.make_eval_loader``). Backends only move the rows: :class:`XlaReplicas`
-(``torch_xla.launch``: ``xm.all_gather`` inside the step graph), :class:`SpmdMesh` (one
-SPMD process: shards copied as they are), :class:`TorchDistributedReplicas` (gloo in the
-tests). Rows reach the master's host in one transfer per chunk and
-``ordering.OrderedBuffer`` orders them. ``PredictOptions(gather=False)``: no collective,
-each rank gets its own rows for a rank file (``ordering.save_rank_file``) that the master
-merges (``ordering.merge_rank_files``). Bad input raises :class:`PredictionError` on the
-host, naming the step and indices, before its graph compiles. Importing this module does
-not touch the XLA device (importing torch_xla does not start its runtime).
+Taught in ``notebooks/04_prediction_gathering.ipynb``; needs ``ordering.py``. ``predict`` runs
+on every replica over full, padded batches ``(x, ..., index, mask)`` (``data.make_eval_loader``).
+Backends only move rows: :class:`XlaReplicas` (``xm.all_gather`` in the step graph),
+:class:`SpmdMesh` (shards as they are), :class:`TorchDistributedReplicas` (e.g. gloo). Bad
+input raises :class:`PredictionError` on the host, naming the step and indices, before its
+graph compiles. Importing this module does not touch the XLA device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,16 +29,14 @@ try:  # inside the tpu_helpers package
 except ImportError:  # copied next to ordering.py into your project
     from ordering import Ordered, OrderedBuffer, PredictionError, exactly_once
 
-#: Default bound on the gathered rows held per chunk (device and host), in bytes.
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 64 << 20  #: bound on the gathered rows per chunk (device and host)
 
 
 @dataclass(frozen=True)
 class Predictions:
-    """``values[i]`` is the output for dataset index ``index[i]`` (all of ``0..n-1`` when
-    gathered; this rank's own rows with ``gather=False``)."""
+    """``values[i]`` is the output for dataset index ``index[i]``."""
 
-    index: np.ndarray
+    index: np.ndarray  # 0..n-1 (this rank's own indices with gather=False)
     values: np.ndarray
     duplicates: int  # real rows dropped as repeats (0 with make_eval_loader's padding)
     padding_rows: int  # padding rows dropped (the batch x world fill-up)
@@ -53,27 +44,13 @@ class Predictions:
     transfers_from_device: int  # device-to-host transfers during the loop
 
 
-# --------------------------------------------------------------------------- backends
-
-
-class Backend(Protocol):
-    """What the loop needs from a runtime: backends move tensors, never order them."""
-
-    world_size: int
-    rank: int
-    replicas_per_step: int  # batches whose rows one gathered step holds
-
-    def device_batches(self, batches: Any, x_dim: int) -> Any: ...
-    def gather_step(self, out: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]: ...
-    def to_host(self, pending: list[list[torch.Tensor]]) -> Iterator[tuple]: ...
-    def barrier(self, tag: str) -> None: ...
-
-
 def _fetch_pairs(pending: list[list[torch.Tensor]]) -> Iterator[tuple[torch.Tensor, ...]]:
     """Every pending (out, ids) to the host; XLA tensors in ONE transfer."""
     flat = [t for pair in pending for t in pair]
-    if flat and flat[0].device.type == "xla":
-        flat = list(torch_xla._XLAC._xla_get_cpu_tensors(flat))  # what xm uses inside
+    if flat and flat[0].device.type == "xla":  # (TorchDistributedReplicas: gathered on host)
+        # What xm.save uses inside. Measured: .cpu() per tensor is one transfer each, one
+        # .cpu() of a torch.cat compiles a graph per chunk shape; no public call does this.
+        flat = list(torch_xla._XLAC._xla_get_cpu_tensors(flat))
     return ((flat[k].cpu(), flat[k + 1].cpu()) for k in range(0, len(flat), 2))
 
 
@@ -82,41 +59,29 @@ class XlaReplicas:
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device or torch_xla.device()
-        self.world_size = self.replicas_per_step = xr.world_size()
-        self.rank = xr.global_ordinal()
+        self.world_size, self.rank = xr.world_size(), xr.global_ordinal()
 
     def device_batches(self, batches, x_dim):
         return pl.MpDeviceLoader(batches, self.device)
 
-    def gather_step(self, out, ids):
-        # Same shapes on every replica (padded batches), so the gather cannot hang on a
-        # short last batch. Traced into the step graph: no extra compile.
+    def gather_step(self, out, ids):  # same shapes everywhere; traced into the step graph
         return [xm.all_gather(out, dim=0), xm.all_gather(ids, dim=0)]
 
     to_host = staticmethod(_fetch_pairs)
 
-    def barrier(self, tag):
-        if self.world_size > 1:
-            xm.rendezvous(tag)
-
 
 class SpmdMesh:
-    """One SPMD process: the batch sharded over ``axis`` of a mesh; shards fetched as is.
-
-    The loader yields GLOBAL batches (``batch x data_size`` rows, ``world_size=1``)."""
+    """One SPMD process: GLOBAL batches (``world_size=1``) sharded over ``axis`` of a mesh."""
 
     def __init__(self, mesh: xs.Mesh | None = None, axis: str = "data") -> None:
         if not xr.is_spmd():
             raise PredictionError("SpmdMesh needs SPMD mode: call xr.use_spmd() first.")
-        if mesh is None:
-            devices = xr.global_runtime_device_count()
-            mesh = xs.Mesh(np.arange(devices), (devices,), (axis,))
+        devices = xr.global_runtime_device_count()
+        mesh = xs.Mesh(np.arange(devices), (devices,), (axis,)) if mesh is None else mesh
         if axis not in mesh.axis_names:
             raise PredictionError(f"mesh axes {mesh.axis_names} have no {axis!r} axis.")
         self.mesh, self.axis, self.device = mesh, axis, torch_xla.device()
-        self.world_size, self.rank, self.replicas_per_step = 1, 0, 1
-        #: Devices the batch is split over: the global batch is batch_size x data_size.
-        self.data_size = int(mesh.mesh_shape[mesh.axis_names.index(axis)])
+        self.world_size, self.rank = 1, 0
 
     def _spec(self, ndim: int) -> tuple:
         return (self.axis,) + (None,) * (ndim - 1)
@@ -132,11 +97,9 @@ class SpmdMesh:
 
     def to_host(self, pending):
         flat = [t for pair in pending for t in pair]
-        # The newest step may still run (MpDeviceLoader's sync launches it asynchronously),
-        # and reading shards does not wait for it: "async operation is in flight". Wait.
+        # Reading shards does not wait for the newest (asynchronous) step: wait. Shards as
+        # they are, in one transfer (the global tensor would compile a replication program).
         xm.wait_device_ops()
-        # Each device's shard as is, all in one transfer (fetching the global tensor would
-        # compile a replication program per tensor).
         shards = torch_xla._XLAC._get_local_shards(flat)
         places = torch_xla._XLAC._get_local_shard_replica_and_indices(flat)
         for k in range(0, len(flat), 2):
@@ -149,33 +112,18 @@ class SpmdMesh:
                     rows = o_ix[0].stop - o_ix[0].start
                     yield out[:rows], ids[:rows]
 
-    def barrier(self, tag):
-        return None
 
+class TorchDistributedReplicas(XlaReplicas):
+    """Replicas joined by a ``torch.distributed`` group (e.g. gloo); gathers host tensors."""
 
-class TorchDistributedReplicas:
-    """Replicas joined by a ``torch.distributed`` group (e.g. gloo, where XLA:CPU has no
-    cross-process collectives): the same loop; the gather runs on host tensors."""
-
-    def __init__(self, device: torch.device | None = None, group=None) -> None:
+    def __init__(self, group=None) -> None:
         if not dist.is_initialized():
-            raise PredictionError("torch.distributed is not initialised: "
-                                  "call dist.init_process_group(...) first.")
-        self.group = group
-        self.world_size = self.replicas_per_step = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.device = torch.device(device or torch_xla.device())
-
-    def device_batches(self, batches, x_dim):
-        if self.device.type == "xla":
-            return pl.MpDeviceLoader(batches, self.device)
-        return ({k: v.to(self.device) for k, v in b.items()} for b in batches)
+            raise PredictionError("call dist.init_process_group(...) first.")
+        self.group, self.device = group, torch_xla.device()
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
     def gather_step(self, out, ids):
-        if out.device.type == "xla":
-            # Run the step and keep its result on the device: a fetch alone would not keep
-            # it, so the loader's next sync would compile a second graph.
-            torch_xla.sync()
+        torch_xla.sync()  # run the step first, or the loader's next sync compiles another graph
         gathered = []
         for t in next(_fetch_pairs([[out, ids]])):
             parts = [torch.empty_like(t) for _ in range(self.world_size)]
@@ -183,75 +131,54 @@ class TorchDistributedReplicas:
             gathered.append(torch.cat(parts))
         return gathered
 
-    to_host = staticmethod(_fetch_pairs)
-
     def barrier(self, tag):
         dist.barrier(group=self.group)
 
 
-def default_backend() -> Backend:
-    """:class:`SpmdMesh` under ``xr.use_spmd()``, else :class:`XlaReplicas`."""
-    return SpmdMesh() if xr.is_spmd() else XlaReplicas()
-
-
-# --------------------------------------------------------------------------- checks
-
-
 def _describe(obj: Any) -> str:
-    if isinstance(obj, torch.Tensor):
-        return f"a {obj.dtype} tensor of shape {tuple(obj.shape)}"
-    return f"a {type(obj).__name__}"
+    return (f"a {obj.dtype} tensor of shape {tuple(obj.shape)}"
+            if isinstance(obj, torch.Tensor) else f"a {type(obj).__name__}")
 
 
-def pack_batch(batch: Any, step: int, batch_size: int) -> dict[str, torch.Tensor]:
-    """Check one host batch ``(x, ..., index, mask)``; pack it as ``{"x": x, "ids": int32
-    [B, 2]}`` so one transfer and one gather carry index and mask (int32: every TPU
-    collective takes it). Raises :class:`PredictionError` naming the batch."""
+def pack_batch(batch: Any, step: int, batch_size: int | None) -> dict[str, torch.Tensor]:
+    """Check one host batch ``(x, ..., index, mask)`` (``batch_size`` None: batch 0's); pack
+    index and mask as one int32 ``ids [B, 2]`` (one gather; TPU collectives take int32)."""
     if not isinstance(batch, tuple | list) or len(batch) < 3:
         raise PredictionError(
             f"batch {step} is {_describe(batch)} without dataset indices: predict needs "
-            "batches (x, ..., index, mask); build the loader with "
-            "tpu_helpers.data.make_eval_loader, which pads, masks and numbers the rows.")
+            "batches (x, ..., index, mask) (tpu_helpers.data.make_eval_loader).")
     x, index, mask = batch[0], batch[-2], batch[-1]
     if not (isinstance(index, torch.Tensor) and index.dtype in (torch.int64, torch.int32)
-            and index.dim() == 1):
+            and index.dim() == 1 and isinstance(mask, torch.Tensor)
+            and mask.dtype == torch.bool and mask.shape == index.shape):
         raise PredictionError(
-            f"batch {step} has no dataset index: its second-to-last element is "
-            f"{_describe(index)}, expected an int64 tensor [B] (-1 on padding rows).")
-    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
-            and mask.shape == index.shape):
-        raise PredictionError(f"batch {step} has no mask: its last element is "
-                              f"{_describe(mask)}, expected a bool tensor of shape "
-                              f"{tuple(index.shape)} (True = real row).")
+            f"batch {step} ends with {_describe(index)} and {_describe(mask)}; expected the "
+            "dataset index (int64 [B], -1 on padding) and the mask (bool [B], True = real).")
     if not isinstance(x, torch.Tensor):
         raise PredictionError(f"batch {step}: the input is {_describe(x)}, not a tensor.")
     rows = int(index.shape[0])
+    batch_size = rows if batch_size is None else batch_size
     if rows != batch_size or x.dim() == 0 or x.shape[0] != rows:
         raise PredictionError(
             f"batch {step} has {rows} rows (dataset indices {index[mask][:4].tolist()}...), "
-            f"batch 0 had {batch_size}: a partial batch compiles a second graph and makes "
-            "all_gather hang on the other replicas; pad and mask instead.")
+            f"batch 0 had {batch_size}: a partial batch compiles a second graph and hangs "
+            "all_gather; pad and mask instead.")
     if rows and int(index.max()) >= 2**31 - 1:
-        raise PredictionError(f"batch {step}: dataset index {int(index.max())} does not fit "
-                              "in int32 (predict handles < 2**31 rows).")
+        raise PredictionError(f"batch {step}: dataset index {int(index.max())} exceeds int32.")
     return {"x": x, "ids": torch.stack([index.to(torch.int32), mask.to(torch.int32)], 1)}
 
 
 class _CheckedBatches:
-    """The host batches, checked and packed. MpDeviceLoader iterates this in a thread where
-    exceptions vanish, so the first error is kept and re-raised by the loop."""
+    """Host batches, checked and packed; ``error`` keeps what MpDeviceLoader's thread loses."""
 
     def __init__(self, loader) -> None:
         self.loader, self.error = loader, None
         self.first_indices: dict[int, list[int]] = {}  # per step, for error messages
-        self.rows, self.x_dim = -1, 0
-        for batch in loader:  # batch 0, checked in the calling thread
-            index = batch[-2] if isinstance(batch, tuple | list) and len(batch) >= 3 else None
-            if isinstance(index, torch.Tensor) and index.dim() == 1:
-                self.rows = int(index.shape[0])
-            self.x_dim = pack_batch(batch, 0, self.rows)["x"].dim()
-            return
-        raise PredictionError("the loader yields no batches: nothing to predict.")
+        batch = next(iter(loader), None)  # batch 0, checked in the calling thread
+        if batch is None:
+            raise PredictionError("the loader yields no batches: nothing to predict.")
+        x = pack_batch(batch, 0, None)["x"]
+        self.rows, self.x_dim = int(x.shape[0]), x.dim()
 
     def __iter__(self):
         try:
@@ -267,85 +194,62 @@ class _CheckedBatches:
         return len(self.loader)
 
 
-def _check_output(out: Any, spec: tuple | None, step: int, batches: _CheckedBatches) -> tuple:
-    """Shape/dtype checks at trace time, before the step's graph compiles."""
-    if not isinstance(out, torch.Tensor):
-        raise PredictionError(
-            f"the model returned {_describe(out)} at step {step}; predict needs one tensor "
-            "with one row per sample (wrap the model to return e.g. its logits).")
-    if out.dim() == 0 or out.shape[0] != batches.rows:
-        raise PredictionError(
-            f"the model returned shape {tuple(out.shape)} at step {step} for a batch of "
-            f"{batches.rows} rows; predict needs one output row per input row.")
-    got = (list(out.shape), out.dtype)
-    if spec is not None and got != spec:
-        raise PredictionError(
-            f"the model output changed from {spec[0]} {spec[1]} at step 0 to {got[0]} "
-            f"{got[1]} at step {step} (dataset indices {batches.first_indices.get(step)}...):"
-            " a new shape compiles another graph and makes all_gather hang on the other "
-            "replicas; return a fixed shape (pad inside the model).")
-    return got
-
-
-# --------------------------------------------------------------------------- the loop
-
-
 @dataclass(frozen=True)
 class PredictOptions:
     """The rarely changed knobs of :func:`predict`."""
-
-    backend: Backend | None = None  # None: SpmdMesh under SPMD, else XlaReplicas
+    backend: Any = None  # e.g. TorchDistributedReplicas(); None: SpmdMesh or XlaReplicas
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # gathered bytes per transfer to the host
     all_ranks: bool = False  # return the result on every rank, not only the master
     gather: bool = True  # False: no collective, each rank gets its own rows (rank files)
 
 
-class _OwnRows:
+class _OwnRows(list):
     """This rank's real rows only (``gather=False``): no [n, ...] array on every rank."""
-
-    def __init__(self) -> None:
-        self.parts: list[Ordered] = []
-        self.padding_rows = 0
+    padding_rows = 0
 
     def add(self, index: np.ndarray, mask: np.ndarray, values: np.ndarray) -> None:
-        self.parts.append(exactly_once(index, mask, values, complete=False))
+        self.append(exactly_once(index, mask, values, complete=False))
         self.padding_rows += int((~mask).sum())
 
     def result(self) -> Ordered:
-        return exactly_once(np.concatenate([p.index for p in self.parts]), None,
-                            np.concatenate([p.values for p in self.parts]))
+        return exactly_once(np.concatenate([p.index for p in self]), None,
+                            np.concatenate([p.values for p in self]))
 
 
 def _collect(sink: OrderedBuffer | _OwnRows, parts) -> None:
     for out, ids in parts:
-        if out.dtype == torch.bfloat16:  # numpy has no bfloat16; float32 holds it exactly
-            out = out.float()
-        ids = ids.numpy()
-        sink.add(ids[:, 0], ids[:, 1] != 0, out.numpy())
+        out = out.float() if out.dtype == torch.bfloat16 else out  # numpy has no bfloat16
+        sink.add(ids[:, 0].numpy(), ids[:, 1].numpy() != 0, out.numpy())
 
 
-def _run(model, backend: Backend, batches: _CheckedBatches, sink, opts: PredictOptions,
-         keep: bool) -> None:
-    """The step loop: forward, gather (a collective every replica runs), and every
-    ``chunk_steps`` steps one transfer of what is pending to the host."""
-    pending: list[list[torch.Tensor]] = []
-    spec, chunk_steps, steps = None, 1, 0
+def _run(model, backend, batches: _CheckedBatches, sink, opts, keep: bool) -> None:
+    """Forward and gather each step; every ``chunk_steps`` steps one transfer to the host."""
+    pending, spec, chunk_steps, steps = [], None, 1, 0
+    collective = opts.gather or backend.world_size == 1
     for step, batch in enumerate(backend.device_batches(batches, batches.x_dim)):
-        # Fetching this batch ran the previous step (MpDeviceLoader syncs before each batch
-        # and after the last): everything pending is on the device, a flush only copies.
+        # Fetching this batch ran the previous step: a flush only copies.
         if len(pending) >= chunk_steps:
             _collect(sink, backend.to_host(pending))
             pending = []
         out = model(batch["x"])
-        spec = _check_output(out, spec, step, batches)
+        # Checked at trace time, before the step's graph compiles.
+        if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != batches.rows:
+            raise PredictionError(
+                f"the model returned {_describe(out)} at step {step} for a batch of "
+                f"{batches.rows} rows; predict needs one tensor, one row per input row.")
+        if spec is not None and (list(out.shape), out.dtype) != spec:
+            raise PredictionError(
+                f"the model output changed from {spec[0]} {spec[1]} at step 0 to "
+                f"{list(out.shape)} {out.dtype} at step {step} (dataset indices "
+                f"{batches.first_indices.get(step)}...): a new shape compiles another graph "
+                "and hangs all_gather; return a fixed shape.")
+        spec = (list(out.shape), out.dtype)
         if step == 0:
             row_bytes = out[0].nelement() * out.element_size() + 8
-            step_rows = batches.rows * (backend.replicas_per_step if opts.gather else 1)
+            step_rows = batches.rows * (backend.world_size if opts.gather else 1)
             chunk_steps = max(1, opts.chunk_bytes // (row_bytes * step_rows))
-        if opts.gather or backend.world_size == 1:
-            moved = backend.gather_step(out, batch["ids"])  # every replica, same graph
-        else:
-            moved = [out, batch["ids"]]
+        # Every replica runs the same graph (SpmdMesh's world_size is 1: it only shards).
+        moved = backend.gather_step(out, batch["ids"]) if collective else [out, batch["ids"]]
         if keep:
             pending.append(moved)
         steps += 1
@@ -366,21 +270,14 @@ def _counts() -> tuple[int, int]:
 
 def predict(model: torch.nn.Module, loader, n: int | None = None,
             options: PredictOptions | None = None) -> Predictions | None:
-    """Run ``model`` over this replica's ``loader``; every dataset index once, in order.
+    """Run ``model`` (on the device, in eval mode, no grad) over this replica's ``loader``.
 
-    Call it on every replica. ``loader`` yields full batches ``(x, ..., index, mask)``
-    (``tpu_helpers.data.make_eval_loader``; under SPMD global batches, ``world_size=1``);
-    ``n`` is the dataset length (default ``len(loader.dataset)``). The model is on the
-    device already; it runs in eval mode under ``torch.no_grad()``, its mode restored.
-    One graph is compiled per batch shape, whatever ``n % (batch x world)`` is.
-
-    Returns :class:`Predictions` on the master (every rank with ``all_ranks=True`` or
-    ``gather=False``), ``None`` elsewhere. Raises :class:`PredictionError` on bad input
-    (no index/mask, non-tensor output, changing output shape, partial batch) before the
-    offending graph compiles or a collective can hang.
+    Call it on every replica; ``n`` defaults to ``len(loader.dataset)``. One compile per batch
+    shape. Returns :class:`Predictions` on the master (every rank with ``all_ranks`` or
+    ``gather=False``), else ``None``. Bad input raises :class:`PredictionError` before a hang.
     """
     opts = options if options is not None else PredictOptions()
-    backend = opts.backend if opts.backend is not None else default_backend()
+    backend = opts.backend or (SpmdMesh() if xr.is_spmd() else XlaReplicas())
     n = len(loader.dataset) if n is None and hasattr(loader, "dataset") else n
     if n is None:
         raise PredictionError("pass n, the dataset length: this loader has no .dataset.")
