@@ -164,9 +164,8 @@ def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module
 def _quiet() -> Iterator[None]:
     """Hide torch's single-process notice and its planner-signature nag (informational)."""
     with warnings.catch_warnings():
-        for msg in (r"torch\.distributed is disabled, unavailable or uninitialized",
-                    r"The function definition for SavePlanner\.set_up_planner"):
-            warnings.filterwarnings("ignore", message=msg)
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")
+        warnings.filterwarnings("ignore", message=r"The function definition for SavePlanner")
         yield
 
 
@@ -208,14 +207,12 @@ class _MetadataUnpickler(pickle.Unpickler):
     ``.metadata`` cannot run code (plain ``pickle.load``, which ``dist_cp`` uses, would)."""
 
     _ALLOWED = {
-        *(("torch.distributed.checkpoint.metadata", name) for name in (
-            "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
-            "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-            "_MEM_FORMAT_ENCODING")),
+        *(("torch.distributed.checkpoint.metadata", n) for n in """Metadata MetadataIndex
+          StorageMeta TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata
+          TensorProperties _MEM_FORMAT_ENCODING""".split()),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
         ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-        *(("pathlib", n) for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
-    }
+        *(("pathlib", n) for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"))}
 
     def __init__(self, file: Any, path: Path):
         super().__init__(file)
@@ -254,8 +251,7 @@ class _SafeReader(dist_cp.FileSystemReader):
             if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
                 raise ShardedCheckpointError(f"{path}: refused: names data file {name!r}, "
                                              f"which is not a file inside {folder}.")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
