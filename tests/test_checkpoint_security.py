@@ -191,8 +191,8 @@ def attempt(name):
 meta = good / ".metadata"
 original = meta.read_bytes()
 import dataclasses
-from tpu_helpers.spmd import _safe_reader
-traversal = _safe_reader(good).read_metadata()  # the real metadata, one path changed
+from tpu_helpers.spmd import _SafeReader
+traversal = _SafeReader(good).read_metadata()  # the real metadata, one path changed
 traversal.storage_data = {k: dataclasses.replace(v, relative_path="../../x.distcp")
                           for k, v in traversal.storage_data.items()}
 meta.write_bytes(pickle.dumps(Payload()))
