@@ -20,7 +20,7 @@ Every row trains ``course.models.DigitsCNN`` on the shipped digits (train split,
       (``drop_last`` off), except ``num_workers=0`` (upstream's 4 worker processes only
       add start-up cost for in-memory data on a 2-core machine: this is the strongest
       version of the baseline) and ``xr.using_pjrt()`` (removed; PJRT is the only runtime).
-  (c) Lightning's ``Trainer`` on XLA: ``Trainer(**tpu_helpers.lightning.trainer_kwargs(1))``
+  (c) Lightning's ``Trainer`` on XLA: ``Trainer(**tpu_helpers.tpu_lightning.trainer_kwargs(1))``
       with ``DigitsLightningModule`` (loss logged per epoch, no per-step sync), progress bar
       on (its output hidden), checkpointing and logger off, plain ``DataLoader``.
   (d) ours: ``tpu_helpers.train.fit`` itself (the per-replica function notebook 03 teaches)
@@ -284,7 +284,7 @@ def upstream_row(epochs: int, images, labels) -> None:
 
 
 def lightning_row(epochs: int, images, labels) -> None:
-    """Lightning 2.6's Trainer on the XLA device via tpu_helpers.lightning.trainer_kwargs."""
+    """Lightning 2.6's Trainer on the XLA device via tpu_helpers.tpu_lightning.trainer_kwargs."""
     import lightning as L
     from torch.utils.data import DataLoader
 

@@ -2,7 +2,7 @@
 
 * :class:`XLACPUAccelerator` and :func:`trainer_kwargs_here`: the Trainer arguments for the
   machine the course runs on. On a TPU they are the toolkit's
-  :func:`tpu_helpers.lightning.trainer_kwargs`; without one, the same arguments with
+  :func:`tpu_helpers.tpu_lightning.trainer_kwargs`; without one, the same arguments with
   ``accelerator=XLACPUAccelerator()``, so Lightning's own TPU code path
   (``SingleDeviceXLAStrategy``, ``XLAPrecision``, ``XLACheckpointIO``) runs on the XLA:CPU
   device. This accelerator is emulation scaffolding (one device, four of Lightning's static
@@ -33,8 +33,8 @@ from lightning.pytorch.accelerators import XLAAccelerator
 from course.models import DigitsCNN
 from tpu_helpers.checkpoint import atomic_write
 from tpu_helpers.env import EnvironmentProblem, Runtime, detect_runtime, layout_for
-from tpu_helpers.lightning import trainer_kwargs
 from tpu_helpers.metrics import snapshot
+from tpu_helpers.tpu_lightning import trainer_kwargs
 
 LossLogging = Literal["epoch", "logger", "prog_bar"]
 
@@ -81,7 +81,7 @@ class XLACPUAccelerator(XLAAccelerator):
 
 
 def trainer_kwargs_here(devices: Any = "auto", runtime: Runtime | None = None) -> dict[str, Any]:
-    """:func:`tpu_helpers.lightning.trainer_kwargs` on a TPU; with :class:`XLACPUAccelerator`
+    """:func:`tpu_helpers.tpu_lightning.trainer_kwargs` on a TPU; with :class:`XLACPUAccelerator`
     (``devices`` checked at once) on a machine without one."""
     rt = runtime or detect_runtime()
     if rt.has_tpu:

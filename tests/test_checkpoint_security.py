@@ -103,7 +103,7 @@ def test_training_script_resume_refuses_the_file(tmp_path, marker):
 
 
 def test_lightning_resume_and_load_refuse_the_file(tmp_path, marker):
-    from tpu_helpers.lightning import AtomicXLACheckpointIO
+    from tpu_helpers.tpu_lightning import AtomicXLACheckpointIO
 
     path = evil_torch_file(tmp_path / "epoch=0.ckpt", marker)
     io_plugin = AtomicXLACheckpointIO()
@@ -135,7 +135,7 @@ def test_lightning_trainer_fit_from_the_file_is_refused(tmp_path, marker):
 def test_lightning_rank_and_merged_files_are_refused(tmp_path, marker):
     """The Lightning writer's files use predict's rank-file protocol: npz read without pickle
     and a JSON record; a crafted rank file or record is refused by name, no code runs."""
-    from tpu_helpers.lightning import MERGED_FILE, rank_file, read_predictions
+    from tpu_helpers.tpu_lightning import MERGED_FILE, rank_file, read_predictions
 
     (tmp_path / MERGED_FILE).write_text(json.dumps({"world_size": 1, "n": 2}))
     rank_file(tmp_path, 0, 1).write_bytes(pickle.dumps(Payload(marker)))

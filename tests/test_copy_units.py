@@ -1,7 +1,7 @@
 """A user copies a toolkit unit into their own project: it must work there alone.
 
 Each script in ``tests/copy_units/`` names on its first line the toolkit files a user copies
-(``# copies: train.py checkpoint.py``: a unit is one file or a declared pair; lightning.py
+(``# copies: train.py checkpoint.py``: a unit is one file or a declared pair; tpu_lightning.py
 is the one unit of three). The test copies
 exactly those files into a temporary folder outside the repository and runs the script there
 in a fresh Python with the repository off ``sys.path`` and ``tpu_helpers`` and ``course`` made
@@ -38,7 +38,7 @@ SCRIPTS = sorted(UNITS.glob("*.py"))
 #: The one unit of three files: Lightning's checkpoint IO needs checkpoint.py (atomic writes,
 #: safe loads) and its prediction writer needs ordering.py (the rank-file format and the
 #: exactly-once merge shared with predict.py).
-THREE_FILE_UNITS = {"lightning"}
+THREE_FILE_UNITS = {"tpu_lightning"}
 
 
 def test_every_toolkit_module_is_a_tested_copy_unit():

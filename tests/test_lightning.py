@@ -34,7 +34,7 @@ from course.lightning_demo import (
 )
 from tpu_helpers.data import ArrayDataset
 from tpu_helpers.env import EnvironmentProblem, Runtime, layout_for
-from tpu_helpers.lightning import (
+from tpu_helpers.tpu_lightning import (
     AtomicXLACheckpointIO,
     ExactlyOncePredictionWriter,
     read_predictions,

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from course.datasets import load_digits
 from course.lightning_demo import DigitsLightningModule, XLACountsCallback, read_counts
 from tpu_helpers.data import ArrayDataset
-from tpu_helpers.lightning import (AtomicXLACheckpointIO, ExactlyOncePredictionWriter,
+from tpu_helpers.tpu_lightning import (AtomicXLACheckpointIO, ExactlyOncePredictionWriter,
                                    read_predictions)
 
 

@@ -26,13 +26,13 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from tpu_helpers.lightning import (
+from tpu_helpers.ordering import PredictionError, merge_rank_files
+from tpu_helpers.tpu_lightning import (
     MERGED_FILE,
     ExactlyOncePredictionWriter,
     rank_file,
     read_predictions,
 )
-from tpu_helpers.ordering import PredictionError, merge_rank_files
 
 ROW = 3
 
@@ -191,7 +191,7 @@ import numpy as np
 import torch
 import lightning as L
 from torch.utils.data import DataLoader, TensorDataset
-from tpu_helpers.lightning import ExactlyOncePredictionWriter, read_predictions
+from tpu_helpers.tpu_lightning import ExactlyOncePredictionWriter, read_predictions
 
 
 class Linear(L.LightningModule):

@@ -6,7 +6,7 @@ Importing it (or any module in it) never touches the XLA device. Modules (notebo
 - ``checkpoint``: atomic, safely loaded checkpoints; ``train``: the training loop and launch (03)
 - ``compile_cache``: a persistent compile cache (03, 05); ``spmd``: meshes, sharded checkpoints (07)
 - ``ordering``: exactly-once ordering, rank files; ``predict``: predictions from every replica (04)
-- ``lightning``: Lightning 2.6 Trainer arguments, atomic checkpoint IO, prediction writer (06)
+- ``tpu_lightning``: Lightning 2.6 Trainer arguments, atomic checkpoint IO, prediction writer (06)
 """
 
 __version__ = "0.1.0"

@@ -1,8 +1,5 @@
-# copies: lightning.py checkpoint.py ordering.py
+# copies: tpu_lightning.py checkpoint.py ordering.py
 # A tiny LightningModule: fit with atomic checkpoints, predict exactly once, on XLA:CPU.
-# Save lightning.py under another name: a lightning.py in your project hides the lightning package.
-import os
-os.replace("lightning.py", "tpu_lightning.py")
 import lightning as L, numpy as np, torch
 from lightning.pytorch.accelerators import XLAAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint

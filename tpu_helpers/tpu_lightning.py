@@ -1,8 +1,8 @@
 """PyTorch Lightning 2.6 on TPU: Trainer arguments, atomic checkpoints, exactly-once predictions.
 
 Taught in ``notebooks/06_lightning_on_tpu.ipynb``. Copy it with ``checkpoint.py`` (atomic
-writes, safe loads) and ``ordering.py`` (rank files, exactly-once merge), under another name
-(e.g. ``tpu_lightning.py``): a ``lightning.py`` in your project hides the lightning package.
+writes, safe loads) and ``ordering.py`` (rank files, exactly-once merge). Named
+``tpu_lightning`` because a ``lightning.py`` in your project would hide the lightning package.
 
 * :func:`trainer_kwargs`: ``Trainer(**trainer_kwargs(devices))`` on a TPU, devices checked early.
 * :class:`AtomicXLACheckpointIO`: checkpoints written atomically and loaded ``weights_only``.
