@@ -36,6 +36,21 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 30
     return proc
 
 
+def run_script(folder: Path, name: str, code: str, *args: str,
+               timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Write ``code`` to ``folder/name`` and run it there in a fresh Python that can import
+    this repository (for scripts that fork or spawn processes, which ``python -c`` cannot
+    re-import); fail with its output if it fails."""
+    script = folder / name
+    script.write_text(code)
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO

@@ -7,14 +7,12 @@ Real Lightning 2.6, real torch_xla on the XLA:CPU device (one device, set in con
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_script
 from lightning import Trainer
 from lightning.fabric.accelerators import xla as fabric_xla
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -288,13 +286,7 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_sync_dist_on_step_reduces_every_step_on_a_distributed_strategy(tmp_path, repo):
     """Real DDP (2 processes, gloo): the claim notebook 06 makes for XLAStrategy's mesh_reduce."""
-    script = tmp_path / "sync_dist_ddp.py"
-    script.write_text(SYNC_DIST_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script(tmp_path, "sync_dist_ddp.py", SYNC_DIST_SCRIPT)
     for rank in (0, 1):
         assert f"rank {rank} prog_bar: 4 reduce calls in 4 steps" in proc.stdout, proc.stdout
         assert f"rank {rank} epoch: 0 reduce calls in 4 steps" in proc.stdout, proc.stdout

@@ -18,11 +18,9 @@ like XLAStrategy) on the CPU with gloo. What notebook 06 relies on, checked with
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from conftest import run_script
 
 SCRIPT = r'''
 import json, sys
@@ -112,13 +110,7 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_two_real_processes_fit_predict_and_refit(tmp_path, repo):
-    script = tmp_path / "ddp_shapes.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script(tmp_path, "ddp_shapes.py", SCRIPT, str(tmp_path / "out"))
     line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
     report = json.loads(line.removeprefix("REPORT "))
 
