@@ -34,7 +34,7 @@ help:
 	@echo "make wheel          build dist/tpu_helpers-*.whl (the toolkit and the course data)"
 	@echo "make tpu-check      on a TPU VM/Colab/Kaggle: run every notebook at full settings, record results"
 	@echo "make strip          strip outputs/execution counts from notebooks/*.ipynb"
-	@echo "make template       rewrite badges, metadata and setup cells from scripts/notebook_template.py"
+	@echo "make template       rewrite badges, metadata and setup cells, and the README course table"
 	@echo "Any target with XLA=2.8 uses the torch_xla 2.8 environment (.venv-2.8)."
 
 $(UV):
@@ -86,6 +86,7 @@ strip: $(STAMP)
 
 template: $(STAMP)
 	$(BIN)/python scripts/notebook_template.py --write notebooks
+	$(BIN)/python scripts/notebook_template.py --readme README.md
 
 wheel: $(STAMP)
 	rm -rf dist build
