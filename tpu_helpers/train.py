@@ -84,11 +84,9 @@ class Config:
                              choices=("fork", "spawn"))
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "eval_batch_size", "log_every", "keep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
+        for name in ("epochs", "batch_size", "eval_batch_size", "log_every", "keep", "max_steps"):
+            if (value := getattr(self, name)) is not None and value < 1:  # max_steps: None ok
+                raise ValueError(f"{name} must be >= 1, got {value}")
         for f in dataclasses.fields(self):
             if "choices" in f.metadata and getattr(self, f.name) not in f.metadata["choices"]:
                 raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, "
@@ -511,8 +509,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = Config(**vars(parser().parse_args(argv)))
-    h = train(config)
+    h = train(Config(**vars(parser().parse_args(argv))))
     done = f"done: {h['total_steps']} steps, world size {h['world_size']} on {h['devices']} "
     if h["epochs"]:
         done += f"device(s), held-out accuracy {h['epochs'][-1]['eval_acc']:.4f}"
