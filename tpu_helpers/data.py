@@ -1,20 +1,12 @@
 """Replica data loading for XLA: fixed batch shapes, each sample once, bad items named.
 
-Taught in ``notebooks/01_dataset_setup.ipynb`` (the loaders, written there by hand first)
-and ``notebooks/02_parallel_loader.ipynb`` (wrapped in ``MpDeviceLoader``). Copy this file
-alone: it needs torch and numpy (torch_xla only when ``world_size``/``rank`` are omitted).
-
-* :class:`ArrayDataset`: in-memory samples, one numpy array per field (forked processes
-  share the pages), checked with :func:`check_finite` and :func:`check_labels`.
-* :func:`make_train_loader`: ``DistributedSampler`` per replica + ``drop_last``: every
-  step has ``batch_size`` rows (the per-replica batch), every replica as many steps.
-* :func:`make_eval_loader`: batches ``(x, y, index, mask)``, the last one padded with rows
-  whose index is ``-1`` and mask False (:class:`PaddedEvalDataset`, planned by the pure
-  :func:`eval_shard_indices`), so each dataset index is scored exactly once.
-
-Every check raises :class:`DataError` (a ``ValueError``) naming the row or dataset index,
-on the host; the collates name an odd item's dataset index instead of torch.stack's
-"stack expects each tensor to be equal size". Importing this module imports no torch_xla.
+Taught in ``notebooks/01_dataset_setup.ipynb`` (written there by hand first) and
+``notebooks/02_parallel_loader.ipynb`` (wrapped in ``MpDeviceLoader``). Copy this file alone:
+it needs torch and numpy; importing it imports no torch_xla (only omitted ``world_size``/``rank``
+ask the runtime). :class:`ArrayDataset` holds checked numpy fields (forked workers share the
+pages); :func:`make_train_loader` gives each replica as many full per-replica batches;
+:func:`make_eval_loader` pads the last batches with masked rows (index ``-1``) so each index is
+scored once. Every check raises :class:`DataError` naming the row or dataset index.
 """
 
 from __future__ import annotations
@@ -36,9 +28,8 @@ def check_finite(features: np.ndarray, source: str = "features") -> None:
     """Raise :class:`DataError` naming the first row with a NaN or infinite value."""
     if features.dtype.kind not in "fc":
         return
-    bad = ~np.isfinite(features.reshape(len(features), -1)).all(axis=1)
-    if bad.any():
-        rows = np.flatnonzero(bad)
+    rows = np.flatnonzero(~np.isfinite(features.reshape(len(features), -1)).all(axis=1))
+    if len(rows):
         raise DataError(f"{source}: row {rows[0]} has NaN or infinite values "
                         f"({len(rows)} bad row(s), first ones: {rows[:5].tolist()}).")
 
@@ -77,14 +68,8 @@ def _stack_rows(rows: Any, what: str) -> np.ndarray:
 
 
 class ArrayDataset(Dataset):
-    """In-memory samples in one numpy array per field: ``(x, y)`` tensors per index.
-
-    Storage stays numpy (one buffer, no per-sample Python objects), so processes forked
-    after building it share the pages instead of copying them (notebook 01 measures it).
-    Checked on construction: same length, not empty, same shape for every row, finite
-    features, integer labels (in ``0..num_classes-1`` if given). Floats become float32,
-    integer labels int64.
-    """
+    """In-memory samples, one numpy array per field, checked on construction (lengths, row
+    shapes, finite features, integer labels in ``0..num_classes-1``); floats become float32."""
 
     def __init__(self, images: Any, labels: Any, num_classes: int | None = None) -> None:
         x, y = _stack_rows(images, "images"), _stack_rows(labels, "labels")
@@ -115,9 +100,7 @@ class ArrayDataset(Dataset):
 
 def _replica(world_size: int | None, rank: int | None) -> tuple[int, int]:
     if world_size is None or rank is None:
-        # Deferred: importing this module must not import torch_xla (DataLoader workers
-        # and CPU-only processes use it); asking the runtime reads the launched world.
-        import torch_xla.runtime as xr
+        import torch_xla.runtime as xr  # deferred: importing data.py imports no torch_xla
 
         world_size = xr.world_size() if world_size is None else world_size
         rank = xr.global_ordinal() if rank is None else rank
@@ -143,43 +126,25 @@ def train_steps_per_epoch(n: int, batch_size: int, world_size: int) -> int:
 def make_train_loader(dataset: Dataset, batch_size: int, *, world_size: int | None = None,
                       rank: int | None = None, seed: int = 0,
                       num_workers: int = 0) -> DataLoader:
-    """This replica's training DataLoader: ``batch_size`` rows per step, sharded.
-
-    ``batch_size`` is the PER-REPLICA batch (the global batch is ``batch_size *
-    world_size``). The loader is the one you would write::
-
-        sampler = DistributedSampler(dataset, num_replicas=xr.world_size(),
-                                     rank=xr.global_ordinal(), shuffle=True, seed=seed)
-        DataLoader(dataset, batch_size, sampler=sampler, drop_last=True)
-
-    (``world_size``/``rank`` default to those two calls) plus a collate that names the
-    dataset index of an item whose shape or dtype differs from the batch's first. Each
-    replica gets ``ceil(N / world_size)`` indices (a few repeated to make it divide) and
-    drops its partial last batch. Call ``loader.sampler.set_epoch(epoch)`` every epoch.
-    Raises :class:`DataError` if a replica cannot fill one batch.
-    """
+    """``DataLoader(dataset, batch_size, sampler=DistributedSampler(...), drop_last=True)``
+    with a collate naming an odd item's dataset index. ``batch_size`` is PER REPLICA; call
+    ``loader.sampler.set_epoch(epoch)`` every epoch. :class:`DataError` if no full batch."""
     ws, rk = _replica(world_size, rank)
     n = len(dataset)
     _check_batch(n, batch_size)
     per_replica = math.ceil(n / ws)
     if per_replica < batch_size:
-        raise DataError(
-            f"training set too small: {n} samples over {ws} replica(s) gives each "
-            f"{per_replica} sample(s), fewer than one batch of {batch_size}; use "
-            f"batch_size <= {per_replica}, more data, or fewer replicas "
-            "(evaluation still works: make_eval_loader pads and masks).")
+        raise DataError(f"training set too small: {n} samples over {ws} replica(s) gives "
+                        f"each {per_replica}, fewer than one batch of {batch_size}; use "
+                        f"batch_size <= {per_replica}, more data, or fewer replicas.")
     sampler = DistributedSampler(dataset, num_replicas=ws, rank=rk, shuffle=True, seed=seed)
     return DataLoader(_IndexedItems(dataset), batch_size=batch_size, sampler=sampler,
                       drop_last=True, num_workers=num_workers, collate_fn=_collate_train)
 
 
 def eval_shard_indices(n: int, batch_size: int, world_size: int, rank: int) -> np.ndarray:
-    """The dataset indices replica ``rank`` evaluates, in order; ``-1`` marks padding.
-
-    ``0..n-1`` padded with ``-1`` to a multiple of ``batch_size * world_size`` and dealt
-    round-robin (``DistributedSampler(shuffle=False)``, padding instead of repeating):
-    every replica gets as many full batches, each index is on one replica, once. Pure.
-    """
+    """The dataset indices replica ``rank`` evaluates, dealt round-robin; ``-1`` pads every
+    replica to as many full batches (each index on one replica, once). Pure."""
     _check_batch(n, batch_size)
     _replica(world_size, rank)
     steps = math.ceil(n / (batch_size * world_size))
@@ -189,40 +154,25 @@ def eval_shard_indices(n: int, batch_size: int, world_size: int, rank: int) -> n
 
 
 class PaddedEvalDataset(Dataset):
-    """Wraps a ``(x, y)`` dataset: item ``i`` is ``(x, y, i, True)``; item ``-1`` is a
-    padding row ``(zeros like x, zeros like y, -1, False)``."""
+    """Item ``i`` is ``(x, y, i, True)``; item ``-1`` is ``(zeros, zeros, -1, False)``."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
-        self._padding: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        x, y = (torch.as_tensor(v) for v in self.dataset[max(index, 0)])
         if index < 0:
-            if self._padding is None:
-                x, y = self.dataset[0]
-                self._padding = (torch.zeros_like(torch.as_tensor(x)),
-                                 torch.zeros_like(torch.as_tensor(y)))
-            x, y = self._padding
-            return x, y, torch.tensor(-1, dtype=torch.int64), torch.tensor(False)
-        x, y = self.dataset[index]
-        return (torch.as_tensor(x), torch.as_tensor(y), torch.tensor(index, dtype=torch.int64),
-                torch.tensor(True))
+            return torch.zeros_like(x), torch.zeros_like(y), torch.tensor(-1), torch.tensor(False)
+        return x, y, torch.tensor(index, dtype=torch.int64), torch.tensor(True)
 
 
 def make_eval_loader(dataset: Dataset, batch_size: int, *, world_size: int | None = None,
                      rank: int | None = None, num_workers: int = 0) -> DataLoader:
-    """This replica's evaluation DataLoader of ``(x, y, index, mask)``, every batch full.
-
-    ``index`` (int64) is each row's dataset index, ``-1`` on padding rows; ``mask`` (bool)
-    is True on real rows. Every replica runs the same number of steps and each dataset
-    index is in exactly one unmasked row across replicas (:func:`eval_shard_indices`),
-    even for a dataset smaller than one batch per replica. Reduce metrics with the mask;
-    gather predictions by index. An item whose ``x``/``y`` shape or dtype differs from the
-    batch's first real row is a :class:`DataError` naming its dataset index.
-    """
+    """Batches of ``(x, y, index, mask)``, all full, as many on every replica; each dataset
+    index is in one unmasked row (:func:`eval_shard_indices`). Reduce with the mask."""
     ws, rk = _replica(world_size, rank)
     indices = eval_shard_indices(len(dataset), batch_size, ws, rk)
     return DataLoader(PaddedEvalDataset(dataset), batch_size=batch_size,
@@ -230,12 +180,10 @@ def make_eval_loader(dataset: Dataset, batch_size: int, *, world_size: int | Non
                       num_workers=num_workers, collate_fn=_collate_eval)
 
 
-# The checking collates: module-level (picklable for worker processes). Per batch they
-# scan dtypes (about as long as default_collate itself); shapes are compared by
-# torch.stack, and scanned only when it fails.
+# The checking collates (module-level: picklable). Dtypes are scanned per batch, shapes
+# only when torch.stack fails.
 def _layout(item: Any, shapes: bool = True) -> Any:
-    """What must match across one batch: the dtype (and shape if ``shapes``) of each
-    tensor or array, the type of anything else, through tuples, lists and dicts."""
+    """What must match across a batch: dtypes (and shapes), types, through containers."""
     if isinstance(item, tuple | list):  # the usual (x, y): no call per tensor
         return [((v.shape, v.dtype) if shapes else v.dtype) if isinstance(v, torch.Tensor)
                 else _layout(v, shapes) for v in item]
@@ -259,8 +207,7 @@ def _describe_layout(layout: Any) -> str:
 
 def _odd_item(items: Sequence[Any], odd: int, ref: int,
               index_of: Callable[[int], Any]) -> DataError:
-    """The error naming item ``odd``'s dataset index, its first differing field, and
-    item ``ref``'s (the batch's first real item)."""
+    """The error naming item ``odd``'s dataset index and first differing field."""
     got, want = _layout(items[odd]), _layout(items[ref])
     field = "the item"
     if isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
@@ -279,8 +226,7 @@ def _odd_item(items: Sequence[Any], odd: int, ref: int,
 
 def _checked_collate(batch: list, items: Sequence[Any], ref: int,
                      index_of: Callable[[int], Any]) -> Any:
-    """``default_collate(batch)`` once ``items`` (what must match, one per row) all have
-    the layout of ``items[ref]``; :class:`DataError` naming the odd row otherwise."""
+    """``default_collate(batch)`` if all ``items`` match ``items[ref]``, else DataError."""
     odd = _find_odd(items, ref, shapes=False)  # dtypes first: torch.stack promotes them
     if odd is None:
         try:
@@ -308,16 +254,13 @@ def _collate_train(batch: list) -> Any:
 
 
 class _Batch(list):
-    """A list of dataset items that knows their dataset indices."""
+    """A list of dataset items that knows their dataset ``indices``."""
 
-    def __init__(self, items: Sequence[Any], indices: Sequence[int]) -> None:
-        super().__init__(items)
-        self.indices = [int(i) for i in indices]
+    indices: list[int]
 
 
 class _IndexedItems(Dataset):
-    """``dataset``'s items fetched a batch at a time (its ``__getitems__`` if it has one)
-    as a :class:`_Batch`, so the train collate can name an odd item's index."""
+    """Fetches a batch as a :class:`_Batch` (the train collate names an odd item's index)."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -330,5 +273,6 @@ class _IndexedItems(Dataset):
 
     def __getitems__(self, indices: list[int]) -> _Batch:
         getitems = getattr(self.dataset, "__getitems__", None)
-        items = getitems(indices) if getitems else [self.dataset[i] for i in indices]
-        return _Batch(items, indices)
+        batch = _Batch(getitems(indices) if getitems else [self.dataset[i] for i in indices])
+        batch.indices = [int(i) for i in indices]
+        return batch

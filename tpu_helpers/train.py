@@ -1,24 +1,15 @@
-"""Multi-core training the way upstream writes it: one per-replica function, read top to bottom.
+"""Multi-core training the way upstream writes it: one per-replica :func:`fit`, read top to bottom.
 
-Taught in ``notebooks/03_multicore_training.ipynb`` (the learner writes the loop in cells,
-then checks it trains exactly like :func:`fit`). Needs ``checkpoint.py`` next to it; nothing
-else. It is also a script, here or on every worker of a TPU pod::
+Taught in ``notebooks/03_multicore_training.ipynb`` (the loop is written in cells, then checked
+against :func:`fit` bit for bit). Needs ``checkpoint.py`` next to it. Also a script (on every
+worker of a TPU pod)::
 
     python -m tpu_helpers.train --epochs 3           # fake data, like upstream's --fake_data
-    python -m tpu_helpers.train --data train.npz --eval-data test.npz --out-dir runs/a
-    python -m tpu_helpers.train --spmd ...           # one process drives every device
+    python -m tpu_helpers.train --data train.npz --eval-data test.npz --out-dir runs/a [--spmd]
 
-* :func:`fit`, the per-replica program (as upstream's ``test/test_train_mp_mnist.py``):
-  loaders, model, ``xm.broadcast_master_param``, then the loop: :func:`train_step` (ending in
-  ``xm.optimizer_step``), logging in a step closure, checkpoints, masked evaluation.
-* SPMD is a small delta (``config.spmd``): one process, a 1-D mesh, the batch sharded by
-  ``MpDeviceLoader(input_sharding=...)``.
-* :func:`train` runs :func:`fit` under :func:`launch` (``torch_xla.launch`` whose failures
-  name the rank) or under SPMD. Options: :class:`Config`; the command line comes from it.
-
-Batch sizes are GLOBAL: ``batch_size`` samples per optimizer step over all replicas; each of
-``world_size`` replicas loads ``batch_size // world_size`` (it must divide). Resuming from
-``out_dir/checkpoints`` continues bit for bit (weights, metrics, ``history.json``).
+:func:`train` runs :func:`fit` under :func:`launch` (failures name the rank) or SPMD; options
+are :class:`Config` (the flags come from it). Batch sizes are GLOBAL (each replica loads
+``batch_size // world_size``). Resuming from ``out_dir/checkpoints`` continues bit for bit.
 """
 
 from __future__ import annotations
@@ -67,8 +58,7 @@ class Config:
     """Every option of a run; ``python -m tpu_helpers.train --help`` lists the same fields."""
 
     epochs: int = _opt(6, "epochs to train")
-    batch_size: int = _opt(64, "GLOBAL batch: samples per step over all replicas "
-                               "(each loads batch_size // world_size)")
+    batch_size: int = _opt(64, "GLOBAL batch (each replica loads batch_size // world_size)")
     eval_batch_size: int = _opt(64, "GLOBAL evaluation batch (padded + masked: any data size)")
     lr: float = _opt(3e-3, "learning rate")
     weight_decay: float = _opt(1e-2, "AdamW weight decay")
@@ -83,25 +73,20 @@ class Config:
     out_dir: str | None = _opt(None, "checkpoints/, history.json, final.pt (default: a temp dir)")
     checkpoint_every: int = _opt(0, "also checkpoint every N steps (0: at epoch ends only)")
     keep: int = _opt(2, "step checkpoints to keep")
-    storage: str = _opt("shared", "shared: OUT_DIR is one folder for all hosts, global "
-                                  "ordinal 0 writes; local: each host's own disk, local "
-                                  "ordinal 0 of each host writes", choices=("shared", "local"))
+    storage: str = _opt("shared", "shared: one OUT_DIR, global ordinal 0 writes; local: each "
+                        "host's disk, local ordinal 0 writes", choices=("shared", "local"))
     resume: bool = _opt(True, "continue from the newest checkpoint in OUT_DIR/checkpoints")
-    resume_new_settings: bool = _opt(False, "that checkpoint has other settings (batch, "
-                                            "devices, mode, seed, data): keep its weights "
-                                            "and optimizer, start its next epoch (default: "
-                                            "refuse)")
+    resume_new_settings: bool = _opt(False, "resume a checkpoint with other settings: its "
+                                     "weights and optimizer, its next epoch (default: refuse)")
     progress: bool = _opt(False, "print 'step k/n' every step and each logged loss")
     compile_cache: str = _opt("", "persistent XLA compile cache folder (default: off)")
     start_method: str = _opt("fork", "how torch_xla.launch starts replicas",
                              choices=("fork", "spawn"))
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "eval_batch_size", "log_every", "keep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
+        for name in ("epochs", "batch_size", "eval_batch_size", "log_every", "keep", "max_steps"):
+            if (value := getattr(self, name)) is not None and value < 1:  # max_steps: None ok
+                raise ValueError(f"{name} must be >= 1, got {value}")
         for f in dataclasses.fields(self):
             if "choices" in f.metadata and getattr(self, f.name) not in f.metadata["choices"]:
                 raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, "
@@ -123,8 +108,6 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
 
-
-# --------------------------------------------------------------------------- data
 
 
 Data = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
@@ -149,11 +132,8 @@ def load_data(config: Config) -> Data:
 
 def make_loaders(data: Data, config: Config, world: int,
                  rank: int) -> tuple[DataLoader, DataLoader | None]:
-    """This replica's loaders: a shuffled shard in full batches, and a padded eval shard.
-
-    Evaluation pads with masked rows up to whole batches on every replica, so any size
-    splits over any number of devices and each real row counts exactly once.
-    """
+    """This replica's loaders: a shuffled shard in full batches; an eval shard padded with
+    masked rows to whole batches (any size, any device count, each real row once)."""
     x, y, ex, ey = data
     train_set = TensorDataset(torch.from_numpy(np.asarray(x, np.float32)),
                               torch.from_numpy(np.asarray(y, np.int64)))
@@ -174,8 +154,6 @@ def make_loaders(data: Data, config: Config, world: int,
     return train, DataLoader(padded, batch_size=per, sampler=shard)
 
 
-# --------------------------------------------------------------------------- the step
-
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                y: torch.Tensor) -> torch.Tensor:
@@ -192,9 +170,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
 
 
 def step_seed(seed: int, step: int, rank: int = 0) -> int:
-    """The device RNG seed for ``step`` of replica ``rank``: dropout draws depend only on
-    these, so a resumed run draws what an uninterrupted one draws (a graph input: no
-    recompile)."""
+    """Device RNG seed of ``step`` on ``rank``: a resumed run draws the same dropout masks."""
     return ((seed % 2**23) * 2**28 + step % 2**28) * 2**12 + rank % 2**12
 
 
@@ -212,8 +188,6 @@ def evaluate(model: nn.Module, batches: Any) -> torch.Tensor:
     model.train()
     return totals
 
-
-# --------------------------------------------------------------------------- one replica
 
 
 def fit(config: Config, data: Data | None = None,
@@ -298,8 +272,7 @@ def _compiles() -> int:
 
 
 def _enable_cache(folder: str, rank: int) -> None:
-    """``xr.initialize_cache`` (one sub-folder per replica, as upstream's test does);
-    a cache problem warns and never stops the run."""
+    """``xr.initialize_cache`` per replica, as upstream's test does; a problem only warns."""
     if not folder:
         return
     try:
@@ -307,8 +280,6 @@ def _enable_cache(folder: str, rank: int) -> None:
     except Exception as exc:  # an optimisation, never a reason to stop
         warnings.warn(f"compile cache not enabled ({exc})", RuntimeWarning, stacklevel=2)
 
-
-# --------------------------------------------------------------------------- run state
 
 
 def _settings(config: Config, world: int, devices: int, steps_per_epoch: int,
@@ -402,7 +373,7 @@ def start(config: Config, settings: dict[str, Any], model: nn.Module,
 
 def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict[str, Any],
                 model: nn.Module, optimizer: Any) -> Run:
-    """Restore ``ckpt`` into ``model``/``optimizer``; refuse other settings unless
+    """Restore ``ckpt``; other settings raise :class:`ResumeMismatch` unless
     ``config.resume_new_settings`` (then: its weights and optimizer, its next epoch)."""
     saved = ckpt.get("extra", {}).get("settings")
     changes = ([f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now"
@@ -410,10 +381,9 @@ def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict
                if isinstance(saved, dict) else ["no run settings stored"])
     if changes and not config.resume_new_settings:
         raise ResumeMismatch(
-            f"{path}: written with other run settings ({'; '.join(changes)}), so its step "
-            "counter would mean other batches. Start over (--no-resume, or another "
-            "--out-dir), or keep its weights and optimizer state and start a new epoch with "
-            "these settings (--resume-new-settings, Config(resume_new_settings=True)).")
+            f"{path}: written with other run settings ({'; '.join(changes)}): start over "
+            "(--no-resume or another --out-dir) or keep its weights and optimizer and start "
+            "a new epoch (--resume-new-settings, Config(resume_new_settings=True)).")
     where = checkpoint.restore_training_state(ckpt, model, optimizer, source=str(path))
     history = where.extra["history"]
     history["resumed_from"].append(path.name)
@@ -439,8 +409,6 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
         raise ValueError(f"state dicts differ in keys: {sorted(set(a) ^ set(b))}")
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
-
-# --------------------------------------------------------------------------- launch
 
 
 class ReplicaFailed(RuntimeError):
@@ -482,9 +450,8 @@ class _Reported:
 
 def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), *,
            start_method: str = "fork") -> None:
-    """``torch_xla.launch(fn, args, start_method)``; a failure raises :class:`ReplicaFailed`
-    with the rank and its traceback, also for a crash without a Python exception (where
-    the pool only says ``BrokenProcessPool``): then with the stack faulthandler dumped."""
+    """``torch_xla.launch``; a failure, even a native crash, raises :class:`ReplicaFailed`
+    naming the rank, with its traceback (or the stack faulthandler dumped)."""
     report_dir = Path(tempfile.mkdtemp(prefix="tpu_helpers-launch-"))
     try:
         torch_xla.launch(_Reported(fn, str(report_dir)), args=args, start_method=start_method)
@@ -509,8 +476,7 @@ def _replica(rank: int, config: Config, data: Data | None, model_fn: Any) -> Non
 
 def train(config: Config, data: Data | None = None,
           model_fn: Callable[[], nn.Module] = Net) -> dict[str, Any]:
-    """Run :func:`fit` on every replica (``torch_xla.launch``; this process must not have
-    touched the device) or under SPMD; returns the history (``out_dir`` in its config)."""
+    """Run :func:`fit` on every replica (or under SPMD); returns the history."""
     out = Path(config.out_dir or tempfile.mkdtemp(prefix="tpu_helpers-run-"))
     config = dataclasses.replace(config, out_dir=str(out))
     if config.spmd:
@@ -525,14 +491,11 @@ def train(config: Config, data: Data | None = None,
     return json.loads((out / "history.json").read_text())
 
 
-# --------------------------------------------------------------------------- the script
-
 
 def parser() -> argparse.ArgumentParser:
     """The command line, one flag per :class:`Config` field."""
-    p = argparse.ArgumentParser(description=(
-        "Train on every TPU core (or XLA:CPU): torch_xla.launch, or --spmd. Resumes from "
-        "OUT_DIR/checkpoints. Run the same command on every worker of a TPU pod."))
+    p = argparse.ArgumentParser(description="Train on every TPU core (or XLA:CPU); resumes "
+                                "from OUT_DIR/checkpoints. Run it on every worker of a pod.")
     for f in dataclasses.fields(Config):
         flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"] + " (%(default)s)"
         if f.type == "bool":
@@ -546,8 +509,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = Config(**vars(parser().parse_args(argv)))
-    h = train(config)
+    h = train(Config(**vars(parser().parse_args(argv))))
     done = f"done: {h['total_steps']} steps, world size {h['world_size']} on {h['devices']} "
     if h["epochs"]:
         done += f"device(s), held-out accuracy {h['epochs'][-1]['eval_acc']:.4f}"
