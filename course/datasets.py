@@ -18,7 +18,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from tpu_helpers.data import DataError
+from tpu_helpers.data import DataError, check_labels
 
 #: Mean and standard deviation of ``png / 255`` over the digits training split.
 DIGITS_MEAN = 0.3054
@@ -198,16 +198,12 @@ def _integer_labels(column: pd.Series, lines: np.ndarray, path: Path, name: str
 
 def _check_label_range(labels: np.ndarray, lines: np.ndarray, num_classes: int | None,
                        path: Path, files: np.ndarray | None = None) -> None:
-    """Labels are ``>= 0`` (and ``< num_classes`` if given), like :func:`check_labels`."""
-    bad = labels < 0
-    if num_classes is not None:
-        bad |= labels >= num_classes
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        rng = f"0..{num_classes - 1}" if num_classes is not None else ">= 0"
-        where = f" ({files[i]})" if files is not None else ""
-        raise DataError(f"{path}: line {lines[i]}{where}: label {labels[i]} is out of "
-                        f"range {rng}.")
+    """Labels are ``>= 0`` (and ``< num_classes`` if given); the error names the CSV line."""
+    def where(i: int) -> str:
+        named = f" ({files[i]})" if files is not None else ""
+        return f"line {lines[i]}{named}: label {labels[i]}"
+
+    check_labels(labels, num_classes, str(path), where)
 
 
 def _check_listed_once(table: pd.DataFrame, path: Path) -> None:

@@ -34,8 +34,10 @@ def check_finite(features: np.ndarray, source: str = "features") -> None:
                         f"({len(rows)} bad row(s), first ones: {rows[:5].tolist()}).")
 
 
-def check_labels(labels: np.ndarray, num_classes: int | None, source: str = "labels") -> None:
-    """Raise :class:`DataError` naming the first label that is not an integer in range."""
+def check_labels(labels: np.ndarray, num_classes: int | None, source: str = "labels",
+                 where: Callable[[int], str] | None = None) -> None:
+    """Raise :class:`DataError` naming the first label that is not an integer in range
+    (``where(i)`` says where row ``i`` came from, e.g. a CSV line; default: its index)."""
     if labels.ndim != 1:
         raise DataError(f"{source}: labels must be one-dimensional, got shape {labels.shape}.")
     if labels.dtype.kind not in "iu":
@@ -46,7 +48,8 @@ def check_labels(labels: np.ndarray, num_classes: int | None, source: str = "lab
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         rng = f"0..{num_classes - 1}" if num_classes is not None else ">= 0"
-        raise DataError(f"{source}: label {int(labels[i])} at index {i} is out of range {rng}.")
+        at = where(i) if where else f"label {int(labels[i])} at index {i}"
+        raise DataError(f"{source}: {at} is out of range {rng}.")
 
 
 def _stack_rows(rows: Any, what: str) -> np.ndarray:
