@@ -104,6 +104,7 @@ import json, os, tempfile
 import matplotlib
 matplotlib.use("Agg")
 import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 from torch import nn
@@ -165,8 +166,10 @@ out["plot_axes"] = len(fig.axes)
 out["plot_title"] = fig._suptitle.get_text()
 out["plot_labels"] = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel()]
 # under SPMD every execution is counted in ExecuteReplicatedTime, none in ExecuteTime
+xm.wait_device_ops()  # executions are asynchronous: count only finished ones
 before = (met.metric_data("ExecuteReplicatedTime") or [0])[0]
 a(torch.ones(8, 64, device=dev)).sum().item()
+xm.wait_device_ops()
 out["executions"] = {"replicated": (met.metric_data("ExecuteReplicatedTime") or [0])[0] - before,
                      "plain": met.metric_data("ExecuteTime")}
 
