@@ -161,14 +161,18 @@ class PaddedEvalDataset(Dataset):
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
+        self._padding: tuple[torch.Tensor, ...] | None = None  # built once, from item 0
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
-        x, y = (torch.as_tensor(v) for v in self.dataset[max(index, 0)])
         if index < 0:
-            return torch.zeros_like(x), torch.zeros_like(y), torch.tensor(-1), torch.tensor(False)
+            if self._padding is None:
+                x, y = (torch.zeros_like(torch.as_tensor(v)) for v in self.dataset[0])
+                self._padding = (x, y, torch.tensor(-1), torch.tensor(False))
+            return self._padding
+        x, y = (torch.as_tensor(v) for v in self.dataset[index])
         return x, y, torch.tensor(index, dtype=torch.int64), torch.tensor(True)
 
 
