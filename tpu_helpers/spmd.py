@@ -6,6 +6,7 @@ runtime; call the runtime functions after ``xr.use_spmd()``."""
 import contextlib
 import dataclasses
 import importlib
+import itertools
 import math
 import os
 import pickle
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dist_cp
 import torch_xla
 import torch_xla.distributed.spmd as xs
@@ -169,32 +171,98 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str]
-                            ) -> Path:
+def _group() -> bool:
+    """A ``torch.distributed`` process group is up (one process per host of a pod)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _from_coordinator(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a pickled object over the process group)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_hosts_ok(error: BaseException | None, what: str) -> None:
+    """Raise on every rank if ``what`` failed on any (no rank goes on to wait for the others
+    forever): the own error where it happened, else a :class:`ShardedCheckpointError` naming
+    the ranks. torch's ``CheckpointException`` (a ``BaseException``) becomes one too."""
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    texts = [text]
+    if _group():
+        texts = [None] * dist.get_world_size()
+        dist.all_gather_object(texts, text)
+    if isinstance(error, dist_cp.CheckpointException):
+        raise ShardedCheckpointError(f"{what} failed: {text}") from error
+    if error is not None:
+        raise error
+    failed = {rank: t for rank, t in enumerate(texts) if t is not None}
+    if failed:
+        raise ShardedCheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {failed}")
+
+
+def _swap_into_place(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` onto ``final``; the old folder waits as
+    ``.<name>.old-<pid>`` between the two renames (the loader falls back to it)."""
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)  # a folder cannot be renamed over a full one
+    os.replace(tmp, final)
+    with contextlib.suppress(OSError):  # make the rename durable where folders open
+        fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str],
+                            storage: str = "shared") -> Path:
     """``dist_cp.save`` (``SPMDSavePlanner``, no gather) into a temporary folder renamed onto
     ``directory``: a kill leaves the old checkpoint (``.<name>.old-<pid>`` between the renames,
-    which the loader falls back to) or the new one. Multi-host: after ``init_process_group``."""
+    which the loader falls back to) or the new one. Call it on every host of a pod, after
+    ``dist.init_process_group("gloo", init_method="xla://")``; a failure on any host raises
+    on all of them and keeps the old checkpoint (one process: no group needed).
+
+    ``storage="shared"``: ``directory`` is one folder every host sees (NFS, GCS fuse). All
+    hosts write into one temporary folder named by rank 0 (each its ``__<rank>_0.distcp``,
+    rank 0 the ``.metadata``), rank 0 checks every file it names is there and renames it into
+    place. ``storage="local"``: each host its own disk; each writes a complete checkpoint of
+    what it holds (its shards and every replicated value, its own ``.metadata``) into its own
+    ``directory``, which loads back on that host with the same mesh and sharding."""
+    if storage not in ("shared", "local"):
+        raise ValueError(f"storage must be 'shared' or 'local', not {storage!r}")
     final = Path(directory)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    together = _group() and storage == "shared"  # one folder, one coordinator
+    lead = not together or dist.get_rank() == 0  # makes the temp folder, renames it
+    tmp = None
+    if lead:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    tmp = Path(_from_coordinator(tmp) if together else tmp)
+    error = None
     try:
         with _quiet():
             dist_cp.save(state_dict=dict(state_dict), storage_writer=dist_cp.FileSystemWriter(tmp),
-                         planner=SPMDSavePlanner())
-        if final.exists():
-            os.replace(final, old)  # a folder cannot be renamed over a full one
-        os.replace(tmp, final)
-        with contextlib.suppress(OSError):  # make the rename durable where folders open
-            fd = os.open(final.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        shutil.rmtree(old, ignore_errors=True)
+                         planner=SPMDSavePlanner(), no_dist=not together)
+        if lead:
+            _check_folder(tmp, _SafeReader(tmp).read_metadata(), shared=together)
+    except BaseException as exc:
+        error = exc
+    try:
+        _all_hosts_ok(error, f"saving {final}")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # every host: the failed folder is not kept
         raise
+    try:
+        if lead:
+            _swap_into_place(tmp, final)
+    except BaseException as exc:
+        error = exc
+    _all_hosts_ok(error, f"renaming the saved checkpoint onto {final}")
+    if not lead:  # a stray folder on a disk rank 0 does not see (nothing in it was needed)
+        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -256,22 +324,50 @@ class _SafeReader(dist_cp.FileSystemReader):
         return metadata
 
 
-def load_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str]
-                            ) -> Mapping[str, Any]:
-    """Load a :func:`save_sharded_checkpoint` folder into ``state_dict``'s tensors in place
-    (shardings kept) and return it. Names and shapes are checked first (KeyError /
-    ValueError); a refused or corrupt file raises :class:`ShardedCheckpointError`."""
-    folder = Path(directory)
-    if not folder.exists():  # killed between save_sharded_checkpoint's two renames?
-        previous = sorted(folder.parent.glob(f".{folder.name}.old-*"))
-        if previous:
-            warnings.warn(f"{folder} is missing; loading {previous[-1].name}, the checkpoint "
-                          "it replaced when a save was interrupted.", stacklevel=2)
-            folder = previous[-1]
-    if not (folder / ".metadata").is_file():
-        raise FileNotFoundError(f"{folder}: not a sharded checkpoint (no .metadata file)")
-    reader = _SafeReader(folder)
-    saved = reader.read_metadata().state_dict_metadata
+def _check_folder(folder: Path, metadata: Metadata, shared: bool = False) -> None:
+    """Every data file ``folder/.metadata`` names is in ``folder``, or a
+    :class:`ShardedCheckpointError` names the first one missing."""
+    names = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        why = ("the host that wrote it saved into a folder of that name on its own disk: the "
+               "storage is not shared between hosts (use storage='local')" if shared else
+               "a host's shards were not copied here, or were lost")
+        raise ShardedCheckpointError(
+            f"{folder / missing[0]}: missing, but {folder / '.metadata'} names it "
+            f"({len(missing)} of {len(names)} data files missing): {why}.")
+
+
+Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+
+
+def _first_gap(box: Box, chunks: Sequence[Box]) -> tuple[int, ...] | None:
+    """An index inside ``box`` that no chunk holds (None: covered). Exact: it cuts ``box``
+    at every chunk edge and tests one corner per cell (a few cells for tiled shardings)."""
+    cuts = [sorted({lo, hi, *(e for c in chunks for e in c[d] if lo < e < hi)})
+            for d, (lo, hi) in enumerate(box)]
+    for corner in itertools.product(*(c[:-1] for c in cuts)):
+        if not any(all(lo <= x < hi for x, (lo, hi) in zip(corner, c, strict=True))
+                   for c in chunks):
+            return corner
+    return None
+
+
+def _needed(t: torch.Tensor) -> list[Box]:
+    """What this host loads of ``t``: its own shards if ``t`` is sharded, else all of it."""
+    whole = tuple((0, n) for n in t.shape)
+    if not _spec(t):
+        return [whole]
+    (pairs,) = torch_xla._XLAC._get_local_shard_replica_and_indices([t])
+    return [whole if index is Ellipsis else
+            tuple((min(s.start, n), min(s.stop, n)) for s, n in zip(index, t.shape, strict=True))
+            for _, index in pairs]
+
+
+def _check_targets(folder: Path, metadata: Metadata, state_dict: Mapping[str, Any]) -> None:
+    """Each tensor of ``state_dict`` is in the checkpoint (KeyError), with its shape
+    (ValueError), and every element this host loads is in a saved chunk (no partial load)."""
+    saved = metadata.state_dict_metadata
     for key, value in ((k, v) for k, v in state_dict.items() if isinstance(v, torch.Tensor)):
         if key not in saved:
             raise KeyError(f"{folder}: checkpoint has no tensor {key!r} ({sorted(saved)[:8]}...)")
@@ -279,6 +375,50 @@ def load_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
         if size != tuple(value.shape):
             raise ValueError(f"{folder}: {key!r} has shape {size} in the checkpoint but "
                              f"{tuple(value.shape)} in the model")
-    with _quiet():
-        dist_cp.load(state_dict=state_dict, storage_reader=reader, planner=SPMDLoadPlanner())
+        chunks = [tuple((o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True))
+                  for c in getattr(saved[key], "chunks", [])]
+        for box in _needed(value):
+            gap = _first_gap(box, chunks)
+            if gap is not None:
+                raise ShardedCheckpointError(
+                    f"{folder}: {key!r}: element {gap} is in none of its {len(chunks)} saved "
+                    f"chunks {chunks[:4]}: this folder holds part of the tensor only (a "
+                    "storage='local' checkpoint of another host, or another sharding).")
+
+
+def _existing_folder(folder: Path) -> Path:
+    """``folder``, or the old checkpoint a save killed between its two renames left."""
+    if not folder.exists():
+        previous = sorted(folder.parent.glob(f".{folder.name}.old-*"))
+        if previous:
+            warnings.warn(f"{folder} is missing; loading {previous[-1].name}, the checkpoint "
+                          "it replaced when a save was interrupted.", stacklevel=3)
+            folder = previous[-1]
+    if not (folder / ".metadata").is_file():
+        raise FileNotFoundError(f"{folder}: not a sharded checkpoint (no .metadata file)")
+    return folder
+
+
+def load_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str]
+                            ) -> Mapping[str, Any]:
+    """Load a :func:`save_sharded_checkpoint` folder into ``state_dict``'s tensors in place
+    (shardings kept) and return it; on a pod call it on every host (a failure on one raises
+    on all). Checked first: ``.metadata`` (read safely) and every data file it names, names
+    and shapes (KeyError / ValueError), and that the saved chunks hold every element this host
+    loads; a refused, corrupt or incomplete folder raises :class:`ShardedCheckpointError`.
+    Each host reads the folder on its own (``no_dist``): a ``storage="local"`` folder
+    differs per host."""
+    error = None
+    try:
+        folder = _existing_folder(Path(directory))
+        reader = _SafeReader(folder)
+        metadata = reader.read_metadata()
+        _check_folder(folder, metadata)
+        _check_targets(folder, metadata, state_dict)
+        with _quiet():
+            dist_cp.load(state_dict=state_dict, storage_reader=reader, planner=SPMDLoadPlanner(),
+                         no_dist=True)
+    except BaseException as exc:
+        error = exc
+    _all_hosts_ok(error, f"loading {directory}")
     return state_dict
