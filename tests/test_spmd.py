@@ -12,7 +12,7 @@ import json
 import pytest
 from conftest import run_python
 
-from tpu_helpers.spmd import mesh_shapes, resolve_mesh_shape, shard_placements
+from tpu_helpers.spmd import _first_gap, mesh_shapes, resolve_mesh_shape, shard_placements
 
 # --------------------------------------------------------------------------- pure
 
@@ -95,6 +95,17 @@ def test_shard_placements_iota_forms_and_replicated():
 def test_shard_placements_rejects_what_it_cannot_read(spec, shape, words):
     with pytest.raises(ValueError, match=words):
         shard_placements(spec, shape, 4)
+
+
+def test_first_gap_finds_what_no_saved_chunk_holds():
+    # the loader's check that the saved chunks hold every element it reads (no partial load)
+    tiles = [((0, 4), (0, 3)), ((0, 4), (3, 6)), ((4, 8), (0, 6))]
+    assert _first_gap(((0, 8), (0, 6)), tiles) is None
+    assert _first_gap(((0, 8), (0, 6)), tiles[:2]) == (4, 0)
+    assert _first_gap(((2, 6), (1, 5)), [((0, 6), (0, 2)), ((0, 8), (2, 6))]) is None
+    assert _first_gap(((0, 3),), [((0, 1),), ((2, 3),)]) == (1,)
+    assert _first_gap((), [()]) is None and _first_gap((), []) == ()
+    assert _first_gap(((0, 0), (0, 5)), []) is None  # nothing to load
 
 
 # --------------------------------------------------------------------------- 4 devices
