@@ -136,12 +136,16 @@ def load_data(config: Config) -> Data:
 
 def make_loaders(data: Data, config: Config, world: int,
                  rank: int) -> tuple[DataLoader, DataLoader | None]:
-    """This replica's loaders: a shuffled shard in full batches; an eval shard padded with
+    """This replica's loaders: a shuffled shard in full batches (the same steps and samples
+    per step for any world size); an eval shard padded with
     masked rows to whole batches (any size, any device count, each real row once)."""
     x, y, ex, ey = data
     train_set = TensorDataset(torch.from_numpy(np.asarray(x, np.float32)),
                               torch.from_numpy(np.asarray(y, np.int64)))
-    sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=config.seed)
+    # drop_last on the sampler too: every world size runs len(x) // batch_size steps of
+    # batch_size distinct samples (padding would repeat samples, sometimes into an extra step)
+    sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=config.seed,
+                                 drop_last=True)
     train = DataLoader(train_set, batch_size=config.batch_size // world, sampler=sampler,
                        drop_last=True)
     if len(train) == 0:
