@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import tempfile
@@ -459,7 +460,7 @@ class _Reported:
     def __call__(self, rank: int, *args: Any) -> Any:
         folder = Path(self.report_dir)
         self._watch(folder, rank)
-        local = {"rank": rank, "pid": os.getpid(),
+        local = {"rank": rank, "pid": os.getpid(), "thread": threading.get_ident(),
                  "local": int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0")),
                  "count": int(os.environ.get("PJRT_LOCAL_PROCESS_COUNT", "1"))}
         checkpoint.atomic_write(folder / f"rank-{rank}.started",
@@ -482,7 +483,9 @@ def _blame(folder: Path) -> ReplicaFailed:
     procs: dict[int, dict[str, Any]] = {}
     for path in folder.glob("rank-*.started"):
         info = json.loads(path.read_text())
-        procs.setdefault(info["pid"], {**info, "ranks": []})["ranks"].append(info["rank"])
+        proc = procs.setdefault(info["pid"], {**info, "ranks": [], "infos": []})
+        proc["ranks"].append(info["rank"])
+        proc["infos"].append(info)
     ended = {int(p.name.split(".")[0][len("rank-"):]) for p in
              itertools.chain(folder.glob("rank-*.done"), folder.glob("rank-*.error"))}
 
@@ -492,7 +495,7 @@ def _blame(folder: Path) -> ReplicaFailed:
     def ranks(pid: int) -> str:
         return ", ".join(map(str, sorted(procs[pid]["ranks"])))
 
-    crashed = sorted((int(p.name.split(".")[0][len("rank-"):]), p.read_text().strip())
+    crashed = sorted((_crashed_rank(p, procs), p.read_text().strip())
                      for p in folder.glob("rank-*.pid-*.crash") if p.stat().st_size)
     if crashed:  # written before the process died: the one sure sign
         also = "".join(f"; rank {rank} crashed too" for rank, _ in crashed[1:])
@@ -516,6 +519,15 @@ def _blame(folder: Path) -> ReplicaFailed:
                          "replica died first: no crash dump; died without the pool's "
                          f"SIGTERM: rank(s) {'; '.join(map(ranks, silent)) or 'none'}; "
                          f"never started: local process(es) {unstarted or 'none'}")
+
+
+def _crashed_rank(dump: Path, procs: dict[int, dict[str, Any]]) -> int:
+    """The rank whose thread crashed (v2/v3 run 2 replicas as threads of one process):
+    faulthandler names the "Current thread"; else the process's first replica."""
+    rank, pid = (int(part.split("-")[1]) for part in dump.name.split(".")[:2])
+    current = re.search(r"Current thread (0x[0-9a-f]+)", dump.read_text())
+    threads = {info["thread"]: info["rank"] for info in procs.get(pid, {}).get("infos", [])}
+    return threads.get(int(current.group(1), 16), rank) if current else rank
 
 
 class _Probe(pickle.Pickler):
