@@ -371,3 +371,15 @@ def setup_notebook(install: bool = True, quiet: bool = False) -> Runtime:
         if rt.platform in ("colab", "kaggle") and not rt.has_tpu:
             print(f"No TPU attached; to get one: {TPU_MENUS}.")
     return rt
+
+
+def pod_command(pod: str, files: list[str], run: str, zone: str = "us-west4-a",
+                version: str | None = None) -> str:
+    """The two ``gcloud`` commands that copy ``files`` to every worker of TPU pod ``pod`` and
+    run ``run`` there after installing the matched pair as a TPU VM needs it:
+    :func:`tpu_helpers.env.install_command` (``torch==X+cpu`` from PyTorch's CPU index and
+    ``torch_xla[tpu]==X``; plain ``torch==X`` from the package index is the CUDA build)."""
+    gcloud = f"gcloud compute tpus tpu-vm {{}} --zone={zone} --worker=all"
+    install = install_command(tpu=True, version=version).replace("'", '"')  # inside '...'
+    return (f"{gcloud.format('scp ' + ' '.join(files) + ' ' + pod + ':')}\n"
+            f"{gcloud.format('ssh ' + pod)} --command='\n  {install} -q &&\n  {run}'")

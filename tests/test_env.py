@@ -392,6 +392,28 @@ def test_local_machine_never_installs():
                              "`pip install torch_xla==2.9.0` and restart the runtime."]
 
 
+def test_pod_command_installs_the_cpu_build_on_every_worker():
+    """Notebook 03's pod command: each worker gets torch==X+cpu from PyTorch's CPU index (plain
+    torch==X from the package index is the CUDA build: gigabytes a TPU VM never uses)."""
+    import json
+    import shlex
+
+    cmd = setup.pod_command("my-pod", ["train.py", "checkpoint.py"], "python train.py",
+                            version="2.9")
+    copy, ssh = cmd.split("\n", 1)
+    assert shlex.split(copy)[4:7] == ["scp", "train.py", "checkpoint.py"]
+    argv = shlex.split(ssh)
+    assert argv[4:6] == ["ssh", "my-pod"] and "--worker=all" in argv
+    remote = shlex.split(argv[-1].removeprefix("--command="))  # what each worker runs
+    assert remote[:4] == ["pip", "install", "torch==2.9.0+cpu", "torch_xla[tpu]==2.9.0"]
+    assert remote[remote.index("--extra-index-url") + 1] == env.CPU_INDEX
+    assert remote[-2:] == ["python", "train.py"]
+    nb = json.loads((Path(__file__).parent.parent / "notebooks"
+                     / "03_multicore_training.ipynb").read_text())
+    cell = next("".join(c["source"]) for c in nb["cells"] if c.get("id") == "nb03-26")
+    assert "pod_command(" in cell and "pip install" not in cell  # the notebook prints this one
+
+
 def test_install_command_is_a_cpu_build():
     assert env.install_command(version="2.9") == (
         "pip install torch==2.9.0+cpu 'torch_xla[tpu]==2.9.0' "

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_python
+from conftest import REPO, run_python, run_script
 
 from course.datasets import load_digits
 from tpu_helpers.checkpoint import CheckpointDir, load_checkpoint
@@ -168,6 +168,119 @@ def test_launch_failures_name_the_rank_and_keep_the_original_traceback(tmp_path)
     assert rank == 0 and "without a Python exception" in summary
     assert "Segmentation fault" in details and "in crashes" in details
     assert out["parent_runtime_started"] is False  # launch leaves the parent untouched
+
+
+FOUR_REPLICAS = r"""
+import ctypes, json, os, signal, sys, time
+from pathlib import Path
+import torch, torch_xla
+import torch_xla.runtime as xr
+from torch_xla.experimental import plugins
+from tpu_helpers.train import ReplicaFailed, launch
+
+
+class FourChipHost(plugins.DevicePlugin):
+    # torch_xla's run_multiprocess asks the device how many processes to start (on CPU:
+    # always 1). Answer as a 4-chip TPU host's topology does: 4 processes, one replica
+    # each, with its own ordinal. The pool, fork, pickling and SIGTERMs stay torch_xla's.
+    def physical_chip_count(self):
+        return 4
+
+    def configure_multiprocess(self, local_rank, local_world_size):
+        xr._WORLD_SIZE, xr._ORDINAL = local_world_size, local_rank
+
+
+plugins.using_dynamic_plugins = lambda: True
+plugins.default = FourChipHost
+
+
+def replica(rank, how, ready):
+    Path(ready, str(rank)).write_text(f"{os.getpid()} {xr.world_size()}")
+    if rank == 2:
+        while how.endswith("after") and len(os.listdir(ready)) < 4:
+            time.sleep(0.01)  # crash once the other replicas run
+        if how.startswith("segv"):
+            ctypes.string_at(0)
+        if how.startswith("kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    while True:  # real XLA work (native code) until the pool stops this replica
+        torch.ones(4, device=torch_xla.device()).sum().item()
+
+
+out = []
+for i, how in enumerate(sys.argv[1:]):
+    ready = Path(f"ready-{i}")
+    ready.mkdir()
+    try:
+        launch(replica, args=(how, str(ready)))
+    except ReplicaFailed as exc:
+        seen = sorted((int(p.name), *map(int, p.read_text().split())) for p in ready.iterdir())
+        out.append([how, exc.rank, exc.summary, exc.details, seen])
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_launch_names_the_rank_that_crashed_among_four_real_processes(tmp_path):
+    """Rank 2 of 4 real replica processes dies (segfault, SIGKILL, os._exit), before or after
+    the others started; the pool then SIGTERMs the others. Rank 2 is named every time."""
+    runs = ["segv_after"] * 4 + ["segv_now"] * 3 + ["kill_after"] * 3 + ["exit_after"] * 2
+    proc = run_script(tmp_path, "four_replicas.py", FOUR_REPLICAS, *runs, timeout=400)
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("RESULT "))
+    out = json.loads(line[len("RESULT "):])
+    assert [r[0] for r in out] == runs  # every run raised ReplicaFailed
+    for how, rank, summary, details, seen in out:
+        if how.endswith("after"):  # four real processes, ranks 0-3, world size 4
+            assert [(r, w) for r, _, w in seen] == [(0, 4), (1, 4), (2, 4), (3, 4)], seen
+            assert len({pid for _, pid, _ in seen}) == 4, seen
+        assert rank == 2, (how, rank, summary, seen)
+        assert "without a Python exception" in summary
+        if how.startswith("segv"):
+            assert "Segmentation fault" in details and "in replica" in details, details
+        else:
+            assert "without a stack dump" in summary, summary
+
+
+def test_launch_refuses_what_it_cannot_pickle_before_starting_anything():
+    """torch_xla.launch pickles fn and args even with fork: a nested function or a lambda
+    gets a clear error on the host, naming the object, instead of "Can't pickle local
+    object" from the process pool."""
+    from tpu_helpers.train import launch
+
+    def nested(rank: int) -> None:
+        pass
+
+    data = (np.zeros((1000, 64), np.float32), torch.zeros(3))
+    for fn, args, where in ((nested, (), "fn "), (print, (data, {"f": lambda x: x}),
+                                                   "args[1]['f'] ")):
+        with pytest.raises(TypeError) as info:
+            launch(fn, args=args)
+        message = " ".join(str(info.value).split())
+        assert message.startswith(f"launch cannot send {where}"), message
+        assert "even with start_method='fork'" in message
+        assert "define the function at module level" in message
+        assert "pass data through `args`" in message
+
+
+@pytest.mark.parametrize("n", [1437, 1471, 2048])  # the digits; 23 x 64 - 1; fake data
+def test_training_loaders_run_the_same_steps_on_the_same_samples_for_any_world_size(n):
+    """A GLOBAL batch is not enough: 1, 2 and 8 replicas must also run the same number of
+    optimizer steps, each on batch_size distinct samples (DistributedSampler pads by repeating
+    samples, which can add a step: 1471 samples gave 23 steps on 8 replicas, 22 on 1)."""
+    from tpu_helpers.train import make_loaders
+
+    x = np.arange(n, dtype=np.float32).reshape(n, 1, 1, 1)  # each sample carries its index
+    config = Config(batch_size=64)
+    for world in (1, 2, 8):
+        loaders = [make_loaders((x, np.zeros(n, np.int64), None, None), config, world, r)[0]
+                   for r in range(world)]
+        assert [len(loader) for loader in loaders] == [n // 64] * world, world
+        steps = list(zip(*loaders, strict=True))  # one step: every replica's batch
+        assert len(steps) == n // 64
+        rows = [torch.cat([xb.flatten() for xb, _ in step]) for step in steps]
+        assert {len(r) for r in rows} == {64}, world  # samples per optimizer step
+        seen = torch.cat(rows)
+        assert len(seen.unique()) == len(seen) == n // 64 * 64, world  # none repeated
 
 
 def test_script_help_names_the_modes_and_who_writes():
