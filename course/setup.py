@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -324,11 +325,17 @@ _TPU_CAUSES = (
 _ERROR_LINE = re.compile(r"Error|error|Check failed|F\d{4} |Mismatched|Unexpected|not found")
 
 
-def _stderr_summary(err: str) -> str:
-    """The line of a failed child's stderr that says what went wrong (at most 300 characters)."""
+def _stderr_summary(err: str, pattern: str | None) -> str:
+    """The line of a failed child's stderr that says what went wrong (at most 300 characters):
+    the Python exception that shows the cause, else the first line that does, else the last
+    Python exception, else the last error line."""
     lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+    cause = [ln for ln in lines if pattern and re.search(pattern, ln)]
+    python = [ln for ln in lines if re.match(r"\w+(Error|Exception): ", ln)]
     hits = [ln for ln in lines if _ERROR_LINE.search(ln) and not ln.startswith("File ")]
-    return ((hits or lines or ["no error message"])[-1])[:300]
+    both = [ln for ln in python if ln in cause]
+    return (both[-1:] or cause[:1] or python[-1:] or hits[-1:] or lines[-1:]
+            or ["no error message"])[0][:300]
 
 
 def _tpu_problem(err: str, code: int | None, timeout: float) -> str:
@@ -341,12 +348,13 @@ def _tpu_problem(err: str, code: int | None, timeout: float) -> str:
                 f"(PJRT_DEVICE=TPU, one op; stopped): another process may hold it, or libtpu "
                 f"hangs while starting. Restart the runtime and run this cell again; if it "
                 f"persists, check the versions (libtpu {libtpu or 'missing'}; {pinned}).")
-    cause = next((why for pat, why in _TPU_CAUSES if re.search(pat, err)), None)
+    pattern, cause = next(((pat, why) for pat, why in _TPU_CAUSES if re.search(pat, err)),
+                          (None, None))
     fix = ("stop it (restart the runtime; on a VM end the other Python process), then run this "
            "cell again" if cause == "another process holds the TPU" else pinned)
     return (f"The TPU did not open in a child process (PJRT_DEVICE=TPU, one op; exit {code}): "
-            f"{cause or 'an error'} ({_stderr_summary(err)}). With libtpu {libtpu or 'missing'} "
-            f"and torch_xla {xla or 'missing'}: {fix}.")
+            f"{cause or 'an error'} ({_stderr_summary(err, pattern)}). With libtpu "
+            f"{libtpu or 'missing'} and torch_xla {xla or 'missing'}: {fix}.")
 
 
 def check_tpu_opens(extra_env: Mapping[str, str] | None = None,
@@ -361,14 +369,18 @@ def check_tpu_opens(extra_env: Mapping[str, str] | None = None,
     env = {**os.environ, "PJRT_DEVICE": "TPU", **(extra_env or {})}
     for k in (*KAGGLE_LAUNCHER_VARS, "CPU_NUM_DEVICES"):
         env.pop(k, None)
+    proc = subprocess.Popen([sys.executable, "-c", _TPU_CHECK], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # its own group: stopped with its children
     try:
-        proc = subprocess.run([sys.executable, "-c", _TPU_CHECK], env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torch's import starts compile workers: them too
+        proc.communicate()
         return [_tpu_problem("", None, timeout)]
-    if proc.returncode == 0 and "TPU-OK" in proc.stdout:
+    if proc.returncode == 0 and "TPU-OK" in out:
         return []
-    return [_tpu_problem(proc.stderr + proc.stdout, proc.returncode, timeout)]
+    return [_tpu_problem(err + out, proc.returncode, timeout)]
 
 
 #: What the setup says where it cannot check the TPU.
