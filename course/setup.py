@@ -5,7 +5,8 @@ Every notebook's generated setup cell (``scripts/notebook_template.py``) calls
 the toolkit's ``tpu_helpers.env`` (runtime detection and :func:`tpu_helpers.env.version_fix`,
 the torch / torch_xla / libtpu decision) and adds what only the course needs: the platform's
 companions (torchvision, torchaudio, jax), the notebook packages, the pip run on Colab and
-Kaggle, and a check in a fresh process afterwards.
+Kaggle, a library check in a fresh process afterwards (on the CPU), and, on a TPU host, a check
+that the TPU opens, in a child process (:func:`check_tpu_opens`).
 
 :func:`plan_setup` decides, as pure data, what the setup installs on each platform;
 :func:`setup_notebook` carries the plan out and :func:`verify_environment` checks the result.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -285,8 +288,9 @@ def verify_environment(extra_env: Mapping[str, str] | None = None,
     """Import and run one op of torch, torch_xla and each companion present, in a fresh process.
 
     Returns one sentence per library that failed, naming it and the fix (empty: all work).
-    The XLA op runs on the XLA:CPU device (``PJRT_DEVICE=CPU``), so it never holds the TPU;
-    jax runs with ``JAX_PLATFORMS=cpu``.
+    The XLA op runs on the XLA:CPU device (``PJRT_DEVICE=CPU``), so it never holds the TPU; jax
+    runs with ``JAX_PLATFORMS=cpu``. It therefore cannot see whether libtpu opens the TPU (a
+    libtpu / PJRT API mismatch): :func:`check_tpu_opens` does that, on a TPU host.
     """
     env = {**os.environ, "PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu",
            "TF_CPP_MIN_LOG_LEVEL": "2", **(extra_env or {})}
@@ -302,6 +306,86 @@ def verify_environment(extra_env: Mapping[str, str] | None = None,
     s = active_set()
     return [f"{lib}: {why}; fix: {_verify_fix(lib, s)}."
             for lib, why in _failures(out, err, code).items()]
+
+
+_TPU_CHECK = r"""
+import torch, torch_xla
+assert torch.ones(2, device=torch_xla.device()).add(1).cpu().sum().item() == 4.0
+print("TPU-OK", flush=True)
+"""
+#: stderr of a TPU that failed to open -> what it means (checked in this order).
+_TPU_CAUSES = (
+    (r"PJRT[ _]?API|PJRT_Api|PJRT plugin|Unexpected PJRT_|later version than the framework",
+     "a PJRT API mismatch: this libtpu was not built for this torch_xla"),
+    (r"libtpu not found|Failed to open .*libtpu|GetPjrtApi not found|No module named '?libtpu",
+     "libtpu could not be loaded"),
+    (r"already in use|TPU in use|libtpu_lockfile|[Dd]evice or resource busy",
+     "another process holds the TPU"),
+)
+_ERROR_LINE = re.compile(r"Error|error|Check failed|F\d{4} |Mismatched|Unexpected|not found")
+
+
+def _stderr_summary(err: str, pattern: str | None) -> str:
+    """The line of a failed child's stderr that says what went wrong (at most 300 characters):
+    the Python exception that shows the cause, else the first line that does, else the last
+    Python exception, else the last error line."""
+    lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+    cause = [ln for ln in lines if pattern and re.search(pattern, ln)]
+    python = [ln for ln in lines if re.match(r"\w+(Error|Exception): ", ln)]
+    hits = [ln for ln in lines if _ERROR_LINE.search(ln) and not ln.startswith("File ")]
+    both = [ln for ln in python if ln in cause]
+    return (both[-1:] or cause[:1] or python[-1:] or hits[-1:] or lines[-1:]
+            or ["no error message"])[0][:300]
+
+
+def _tpu_problem(err: str, code: int | None, timeout: float) -> str:
+    """One sentence: why the TPU did not open, and the fix."""
+    s, libtpu, xla = active_set(), installed("libtpu"), installed("torch_xla")
+    pinned = (f"torch_xla[tpu]=={_base(xla or s.torch_xla[0])} pins libtpu=={s.libtpu}: run "
+              f"`pip install libtpu=={s.libtpu}` and restart the runtime")
+    if code is None:
+        return (f"The TPU did not open within {timeout:.0f} s in a child process "
+                f"(PJRT_DEVICE=TPU, one op; stopped): another process may hold it, or libtpu "
+                f"hangs while starting. Restart the runtime and run this cell again; if it "
+                f"persists, check the versions (libtpu {libtpu or 'missing'}; {pinned}).")
+    pattern, cause = next(((pat, why) for pat, why in _TPU_CAUSES if re.search(pat, err)),
+                          (None, None))
+    fix = ("stop it (restart the runtime; on a VM end the other Python process), then run this "
+           "cell again" if cause == "another process holds the TPU" else pinned)
+    return (f"The TPU did not open in a child process (PJRT_DEVICE=TPU, one op; exit {code}): "
+            f"{cause or 'an error'} ({_stderr_summary(err, pattern)}). With libtpu "
+            f"{libtpu or 'missing'} and torch_xla {xla or 'missing'}: {fix}.")
+
+
+def check_tpu_opens(extra_env: Mapping[str, str] | None = None,
+                    timeout: float = 300) -> list[str]:
+    """Open the TPU in a child process (``PJRT_DEVICE=TPU``), run one op, and let it go.
+
+    The only check that sees a libtpu / PJRT API mismatch (the library check runs on XLA:CPU).
+    The chips are held only while the child runs, so the kernel can open them afterwards; the
+    child is stopped after ``timeout`` seconds. Returns one sentence with the fix if the TPU
+    did not open (empty: it works). Call it only on a TPU host, before the kernel opens it.
+    """
+    env = {**os.environ, "PJRT_DEVICE": "TPU", **(extra_env or {})}
+    for k in (*KAGGLE_LAUNCHER_VARS, "CPU_NUM_DEVICES"):
+        env.pop(k, None)
+    proc = subprocess.Popen([sys.executable, "-c", _TPU_CHECK], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # its own group: stopped with its children
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torch's import starts compile workers: them too
+        proc.communicate()
+        return [_tpu_problem("", None, timeout)]
+    if proc.returncode == 0 and "TPU-OK" in out:
+        return []
+    return [_tpu_problem(err + out, proc.returncode, timeout)]
+
+
+#: What the setup says where it cannot check the TPU.
+NO_TPU_CHECK = ("No TPU here, so nothing checked that libtpu opens one: a libtpu / PJRT API "
+                "mismatch shows only on a TPU, where this cell opens it once in a child process.")
 
 
 # --------------------------------------------------------------------------- the setup cell
@@ -338,7 +422,7 @@ def _install(plan: SetupPlan, rt: Runtime, before: dict[str, str | None]) -> Non
         raise EnvironmentProblem("After the install, " + " ".join(problems))
 
 
-def setup_notebook(install: bool = True, quiet: bool = False) -> Runtime:
+def setup_notebook(install: bool = True, quiet: bool = False, check_tpu: bool = True) -> Runtime:
     """The notebooks' setup cell: idempotent, quiet, and it never breaks the platform.
 
     * Colab / Kaggle: keeps a supported matched torch / torch_xla pair (2.8 or 2.9; see
@@ -348,6 +432,9 @@ def setup_notebook(install: bool = True, quiet: bool = False) -> Runtime:
       variables (guarded).
     * TPU VM / local: installs nothing; raises :class:`EnvironmentProblem` with the fix if
       torch / torch_xla are missing or mismatched.
+    * On a TPU host (``check_tpu``): opens the TPU once in a child process
+      (:func:`check_tpu_opens`) and raises with the fix if it does not open; without a TPU it
+      says that this could not be checked (:data:`NO_TPU_CHECK`).
     * A kernel that already used the XLA device (a second "run all") is told to restart.
     """
     if runtime_initialized():
@@ -366,10 +453,15 @@ def setup_notebook(install: bool = True, quiet: bool = False) -> Runtime:
         _install(plan, rt, before)
     for note in plan.notes:
         print(f"Note: {note}")
+    tpu_problems = check_tpu_opens() if check_tpu and rt.has_tpu else []
+    if tpu_problems:
+        raise EnvironmentProblem(" ".join(tpu_problems))
     if not quiet:
         print(f"{rt.summary()}. torch {installed('torch')}, torch_xla {installed('torch_xla')}.")
         if rt.platform in ("colab", "kaggle") and not rt.has_tpu:
             print(f"No TPU attached; to get one: {TPU_MENUS}.")
+        print("The TPU opened in a child process (one op) and was released." if check_tpu
+              and rt.has_tpu else NO_TPU_CHECK)
     return rt
 
 

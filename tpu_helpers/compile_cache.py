@@ -1,8 +1,16 @@
-"""A persistent XLA compile cache in a folder that outlives the Colab / Kaggle session.
+"""The persistent XLA compile cache, turned on the right way, and what it does on 2.8 and 2.9.
 
 Taught in notebooks 05 and 03. Needs no sibling; importing it or choosing the folder never
 touches the device. The folder (Drive on Colab, /kaggle/working on Kaggle, else ~/.cache) is named
-after the torch_xla release and hardware. On XLA:CPU the cache cannot read back what it writes.
+after the torch_xla release and hardware.
+
+On torch_xla 2.8 and 2.9 the cache is written but never loaded back, on a TPU exactly as on
+XLA:CPU: a new process finds the file, ``DeserializeExecutable`` answers UNIMPLEMENTED (TPU: libtpu;
+CPU: the CPU client), torch_xla counts ``PersistentCacheDeserializeFailure`` (never
+``PersistentCacheHit``), deletes the file and compiles again (``torch_xla/csrc/runtime/cache.h``
+and ``pjrt_computation_client.cpp`` at v2.8.0 and v2.9.0; pytorch/xla issue 9094). No compile is
+saved. A fix (``LoadSerializedExecutable``, pull request 9759) was proposed after 2.9.0 and is in
+no release. :func:`enable_compile_cache` says so when it turns the cache on.
 """
 import importlib.metadata as md
 import os
@@ -18,6 +26,8 @@ COLAB_DRIVE = Path("/content/drive/MyDrive")
 KAGGLE_WORKING = Path("/kaggle/working")
 #: Google's PCI device id -> TPU generation (as in torch_xla/_internal/tpu.py).
 _PCI = {"0x0027": "v3", "0x005e": "v4", "0x0063": "v5e", "0x0062": "v5p", "0x006f": "v6e"}
+#: torch_xla releases whose cache is written but never loaded back (see the module docstring).
+WRITE_ONLY_RELEASES = ("2.8", "2.9")
 #: Where the compile cache goes, whether it outlives the session, and why.
 CacheLocation = namedtuple("CacheLocation", "path persistent note")
 
@@ -62,7 +72,8 @@ def compile_cache_dir(runtime: Any = None, environ: Mapping[str, str] | None = N
 def enable_compile_cache(path: str | os.PathLike[str] | None = None, *,
                          replica: int | None = None, readonly: bool = False) -> Path | None:
     """``xr.initialize_cache`` on ``path`` (default :func:`compile_cache_dir`; ``replica``: a
-    sub-folder per process) before the first computation; never fatal: warns, returns None."""
+    sub-folder per process) before the first computation; never fatal: warns, returns None.
+    On torch_xla 2.8/2.9 it also warns that the cache is only written (module docstring)."""
     try:
         folder = Path(path if path is not None else compile_cache_dir().path)
         folder = folder / f"replica-{replica}" if replica is not None else folder
@@ -78,6 +89,12 @@ def enable_compile_cache(path: str | os.PathLike[str] | None = None, *,
         warnings.warn(f"persistent compile cache not enabled ({type(exc).__name__}: {exc}); "
                       "continuing without it", RuntimeWarning, stacklevel=2)
         return None
+    release = torch_xla.__version__.split("+")[0]
+    if release.startswith(WRITE_ONLY_RELEASES):
+        warnings.warn(f"torch_xla {release} writes the persistent compile cache in {folder} but "
+                      "cannot load it back, on a TPU as on XLA:CPU (counter "
+                      "PersistentCacheDeserializeFailure, pytorch/xla issue 9094): every new "
+                      "process compiles again", RuntimeWarning, stacklevel=2)
     return folder
 
 

@@ -84,7 +84,9 @@ class Config:
     resume_new_settings: bool = _opt(False, "resume a checkpoint with other settings: its "
                                      "weights and optimizer, its next epoch (default: refuse)")
     progress: bool = _opt(False, "print 'step k/n' every step and each logged loss")
-    compile_cache: str = _opt("", "persistent XLA compile cache folder (default: off)")
+    compile_cache: str = _opt("", "persistent XLA compile cache folder (default: off); torch_xla "
+                              "2.8/2.9 write it but never load it back (pytorch/xla issue 9094), "
+                              "so it saves no compile")
     start_method: str = _opt("fork", "how torch_xla.launch starts replicas",
                              choices=("fork", "spawn"))
 
