@@ -242,3 +242,82 @@ def test_real_multiprocess_predict_with_gloo(tmp_path, repo):
         "merged.json", "rank00000-of-00003.npz", "rank00001-of-00003.npz",
         "rank00002-of-00003.npz"]
 
+
+
+@pytest.mark.parametrize("empty_rank", [0, 1])
+def test_a_rank_without_rows_merges(tmp_path, empty_rank):
+    """A rank that predicted nothing (fewer samples than ranks) writes a file without rows;
+    its unknown row shape must not refuse the merge ("rows of shape () after (3,)")."""
+    for rank in range(2):
+        writer = ExactlyOncePredictionWriter(tmp_path)
+        if rank != empty_rank:
+            writer.write_on_batch_end(None, None, torch.from_numpy(expected(2)), [0, 1], None,
+                                      0, 0)
+        writer.save_rank(rank, 2, 2)
+    merged = ExactlyOncePredictionWriter(tmp_path).merge(2, 2)
+    np.testing.assert_array_equal(merged.values, expected(2))
+
+
+FEWER = """
+import json, sys
+import numpy as np
+import torch
+import lightning as L
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+from tpu_helpers.tpu_lightning import ExactlyOncePredictionWriter
+
+
+class Linear(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4)
+
+    def predict_step(self, batch, batch_idx):
+        return self.lin(batch[0])
+
+
+def trainer(writer):  # forks its 8 ranks like XLAStrategy on a v5e-8
+    return L.Trainer(accelerator="cpu", devices=8, callbacks=[writer], logger=False,
+                     strategy=DDPStrategy(start_method="fork", process_group_backend="gloo"),
+                     enable_progress_bar=False, enable_model_summary=False)
+
+
+if __name__ == "__main__":
+    out, n = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    x, model = torch.randn(n, 3), Linear()
+    loader = DataLoader(TensorDataset(x), batch_size=4)
+    writer = ExactlyOncePredictionWriter(out + "/plain")
+    try:
+        trainer(writer).predict(model, loader)
+        plain = "ran"
+    except Exception as exc:  # raised in the ranks, re-raised here by the launcher
+        plain = f"{type(exc).__name__}: {exc}"
+    writer = ExactlyOncePredictionWriter(out + "/padded")
+    merged = writer.predict(trainer(writer), model, loader)
+    with torch.no_grad():
+        reference = model.lin(x).numpy()
+    rows = [int(np.load(f"{out}/padded/rank{r:05d}-of-00008.npz")["index"].size)
+            for r in range(8)]
+    print("REPORT " + json.dumps({
+        "plain": plain[-600:], "index": merged.index.tolist(), "rows": rows,
+        "gap": float(np.abs(merged.values - reference).max()), "duplicates": merged.duplicates}))
+"""
+
+
+@pytest.mark.slow
+def test_fewer_samples_than_8_real_processes(tmp_path):
+    """5 samples on 8 ranks (a v5e-8): Lightning 2.6's predict sampler asserts a sample per
+    rank, so plain ``trainer.predict`` failed on ranks 5-7 only, inside Lightning. Now every
+    rank refuses it with the way out, and ``writer.predict`` pads and predicts exactly once."""
+    from conftest import run_script
+
+    proc = run_script(tmp_path, "fewer.py", FEWER, str(tmp_path / "out"), "5")
+    report = json.loads(next(x for x in proc.stdout.splitlines()
+                             if x.startswith("REPORT ")).removeprefix("REPORT "))
+    assert "5 samples to predict on 8 processes" in report["plain"], report["plain"]
+    assert "writer.predict" in report["plain"]
+    assert report["index"] == [0, 1, 2, 3, 4] and report["duplicates"] == 0
+    assert report["rows"] == [1, 1, 1, 1, 1, 0, 0, 0]   # ranks 5-7 held padding only
+    assert report["gap"] < 1e-6

@@ -41,7 +41,7 @@ import json, os, sys
 import numpy as np, pandas as pd, torch, torch.distributed as dist
 import torch_xla
 from tpu_helpers.checkpoint import atomic_write
-from tpu_helpers.data import ArrayDataset, eval_shard_indices, make_eval_loader
+from tpu_helpers.data import ArrayDataset, PaddedEvalDataset, eval_shard_indices, make_eval_loader
 from tpu_helpers.ordering import exactly_once, merge_rank_files, rank_file_name, save_rank_file
 from course.datasets import load_digits
 from course.models import DigitsCNN
@@ -83,6 +83,21 @@ atomic_write(f"{out}/ranks/{rank_file_name(rank, world)}",
 backend.barrier("rank files written")
 if rank == 0:
     np.save(f"{out}/sharded.npy", merge_rank_files(f"{out}/ranks", world, len(ds)).values)
+# fewer samples (2) than ranks (3), rank files: make_eval_loader's batches (rank 2: padding
+# only), and shards of one's own without padding (rank r: indices r, r + 3, ...; rank 2: none)
+small = torch.utils.data.Subset(ds, range(2))
+own_shard = torch.utils.data.DataLoader(PaddedEvalDataset(small), batch_size=4,
+                                        sampler=list(range(rank, 2, world)))
+for name, loader in (("padded", make_eval_loader(small, 4, world_size=world, rank=rank)),
+                     ("own", own_shard)):
+    mine = predict(model, loader, options=PredictOptions(backend=backend, gather=False))
+    atomic_write(f"{out}/few-{name}/{rank_file_name(rank, world)}",
+                 lambda f: save_rank_file(f, mine.index, None, mine.values, rank=rank,
+                                          world_size=world, n=2))
+    report[f"few-{name}-rows"] = len(mine.index)
+    backend.barrier(name)
+    if rank == 0:
+        np.save(f"{out}/few-{name}.npy", merge_rank_files(f"{out}/few-{name}", world, 2).values)
 # small host objects (file names): a host gather, then the same exactly_once
 idx = eval_shard_indices(len(ds), 16, world, rank)
 names = np.array([f"digit-{i:04d}.png" if i >= 0 else "" for i in idx], dtype=object)
@@ -140,6 +155,10 @@ def test_three_real_processes_gather_exactly_once_in_order(tmp_path):
         f"rank{r:05d}-of-00003.npz" for r in range(world)]
     assert sum(r["own_rows"] for r in reports) == 360  # no rank held more than its own
     assert all(r["names_ok"] for r in reports)
+    for name in ("padded", "own"):  # 2 samples on 3 ranks: rank 2 has no rows, its file none
+        assert [r[f"few-{name}-rows"] for r in reports] == [1, 1, 0]
+        np.testing.assert_allclose(np.load(tmp_path / f"few-{name}.npy"), full[:2],
+                                   rtol=1e-5, atol=1e-5)
 
 
 SPMD = """

@@ -98,6 +98,8 @@ class OrderedBuffer:
         rows = part.values
         self.padding_rows += index.size - int(part.index.size) - part.duplicates
         self.chunk_bytes_max = max(self.chunk_bytes_max, int(values.nbytes))
+        if part.index.size == 0:  # a rank with no rows (fewer samples than ranks): its row
+            return  # shape and dtype say nothing (an empty writer cannot know them)
         if self._values is None:
             self._values = np.empty((self.n, *rows.shape[1:]), dtype=rows.dtype)
         elif rows.shape[1:] != self._values.shape[1:] or rows.dtype != self._values.dtype:

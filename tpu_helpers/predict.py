@@ -171,10 +171,13 @@ def pack_batch(batch: Any, step: int, batch_size: int | None) -> dict[str, torch
 class _CheckedBatches:
     """Host batches, checked and packed; ``error`` keeps what MpDeviceLoader's thread loses."""
 
-    def __init__(self, loader) -> None:
+    def __init__(self, loader, allow_empty: bool = False) -> None:
         self.loader, self.error = loader, None
         self.first_indices: dict[int, list[int]] = {}  # per step, for error messages
         batch = next(iter(loader), None)  # batch 0, checked in the calling thread
+        if batch is None and allow_empty:  # gather=False: a rank with no rows (n < world)
+            self.rows, self.x_dim = 0, 0
+            return
         if batch is None:
             raise PredictionError("the loader yields no batches: nothing to predict.")
         x = pack_batch(batch, 0, None)["x"]
@@ -274,14 +277,17 @@ def predict(model: torch.nn.Module, loader, n: int | None = None,
 
     Call it on every replica; ``n`` defaults to ``len(loader.dataset)``. One compile per batch
     shape. Returns :class:`Predictions` on the master (every rank with ``all_ranks`` or
-    ``gather=False``), else ``None``. Bad input raises :class:`PredictionError` before a hang.
+    ``gather=False``, where an empty loader gives no rows), else ``None``. Bad input raises
+    :class:`PredictionError` before a hang.
     """
     opts = options if options is not None else PredictOptions()
     backend = opts.backend or (SpmdMesh() if xr.is_spmd() else XlaReplicas())
     n = len(loader.dataset) if n is None and hasattr(loader, "dataset") else n
     if n is None:
         raise PredictionError("pass n, the dataset length: this loader has no .dataset.")
-    batches = _CheckedBatches(loader)
+    batches = _CheckedBatches(loader, allow_empty=not opts.gather)
+    if batches.rows == 0:  # no collective with gather=False: this rank has nothing to run
+        return Predictions(np.zeros(0, np.int64), np.zeros(0, np.float32), 0, 0, 0, 0)
     keep = not opts.gather or opts.all_ranks or backend.rank == 0
     sink = OrderedBuffer(n) if opts.gather else _OwnRows()
     was_training = model.training

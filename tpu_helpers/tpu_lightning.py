@@ -8,6 +8,8 @@ writes, safe loads) and ``ordering.py`` (rank files, exactly-once merge). Named
 * :class:`AtomicXLACheckpointIO`: checkpoints written atomically and loaded ``weights_only``.
 * :class:`ExactlyOncePredictionWriter`: ``trainer.predict`` returns ``None`` with several
   processes (Lightning issue 7755); this writes every prediction once, in dataset order.
+  ``writer.predict(trainer, model, loader)`` also predicts fewer samples than processes
+  (Lightning 2.6's predict sampler asserts one sample per process).
 
 Importing this module imports Lightning and torch_xla but does not touch the XLA device.
 """
@@ -26,6 +28,7 @@ import torch_xla.core.xla_model as xm  # importing it does not start the runtime
 from lightning.fabric.plugins import XLACheckpointIO
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.utils.data import DataLoader, Dataset
 
 try:  # in the tpu_helpers package
     from tpu_helpers.checkpoint import atomic_write, load_checkpoint
@@ -99,13 +102,43 @@ def read_predictions(output_dir: str | Path) -> Ordered:
     return merge_rank_files(output_dir, world_size, n)
 
 
+class PaddedToWorld(Dataset):
+    """``dataset`` grown to ``length`` items by repeating its last one; the writer drops the
+    repeats (dataset index ``>= len(dataset)``). Lightning 2.6's predict sampler
+    (``UnrepeatedDistributedSampler``, lightning/pytorch/overrides/distributed.py) asserts a
+    sample for every process, so 5 samples on 8 processes need 3 padding items."""
+
+    def __init__(self, dataset: Any, length: int) -> None:
+        self.dataset, self.n, self.length = dataset, len(dataset), max(length, len(dataset))
+        if self.n < 1:
+            raise PredictionError("the predict dataset is empty: nothing to predict.")
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[min(index, self.n - 1)]
+
+
+def _dataset_length(loader: Any) -> int | None:
+    """The real length of ``loader``'s dataset (a :class:`PaddedToWorld`'s without padding)."""
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, PaddedToWorld):
+        return dataset.n
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
 class ExactlyOncePredictionWriter(BasePredictionWriter):
     """Every prediction exactly once, in dataset order, from ``trainer.predict`` on any devices.
 
     Each rank keeps its rows with Lightning's ``batch_indices`` and writes a rank file; rank 0
     merges them (``predictions``) and writes :data:`MERGED_FILE`; with several processes use
-    :func:`read_predictions`. One predict dataloader over a map-style dataset; ``predict_step``
-    returns one tensor, a row per sample. ``n``: the length if ``len(dataset)`` cannot tell.
+    :func:`read_predictions`, or call :meth:`predict`, which also handles fewer samples than
+    processes. One predict dataloader over a map-style dataset; ``predict_step`` returns one
+    tensor, a row per sample. ``n``: the length if ``len(dataset)`` cannot tell.
     """
 
     def __init__(self, output_dir: str | Path, n: int | None = None) -> None:
@@ -136,10 +169,37 @@ class ExactlyOncePredictionWriter(BasePredictionWriter):
         self._values.append((rows.float() if rows.dtype == torch.bfloat16 else rows).numpy())
         self._index.append(np.asarray(batch_indices, dtype=np.int64))
 
-    def save_rank(self, rank: int, world_size: int, n: int) -> Path:
-        """Write this rank's rows to its rank file, atomically."""
+    def predict(self, trainer: L.Trainer, model: L.LightningModule, loader: DataLoader) -> Ordered:
+        """``trainer.predict(model, loader)`` with this writer; the merged rows in this process.
+
+        Checked here, before any process starts: the writer is one of the Trainer's callbacks
+        and the dataset is not empty. With fewer samples than processes the dataset is padded
+        (:class:`PaddedToWorld`) and the padding rows are dropped from the rank files.
+        """
+        if not any(cb is self for cb in trainer.callbacks):
+            raise PredictionError("this writer is not in the Trainer's callbacks: "
+                                  "L.Trainer(..., callbacks=[writer]).")
+        n = _dataset_length(loader)
+        if n is None or n < 1:
+            raise PredictionError(f"the predict loader's dataset has length {n}: "
+                                  "predict needs a map-style dataset with at least one sample.")
+        # trainer.world_size reads 1 in this process until XLAStrategy has forked
+        # (lightning/pytorch/strategies/xla.py): count the processes it will fork instead.
+        processes = trainer.num_devices * trainer.num_nodes
+        if n < processes:
+            loader = DataLoader(PaddedToWorld(loader.dataset, processes),
+                                batch_size=loader.batch_size, collate_fn=loader.collate_fn,
+                                num_workers=loader.num_workers)
+        trainer.predict(model, loader, return_predictions=False)
+        return read_predictions(self.output_dir)
+
+    def save_rank(self, rank: int, world_size: int, n: int, padded: bool = False) -> Path:
+        """Write this rank's rows to its rank file, atomically. ``padded``: the dataset was a
+        :class:`PaddedToWorld`, drop its padding rows (index ``>= n``)."""
         index = np.concatenate(self._index) if self._index else np.zeros(0, np.int64)
         values = np.concatenate(self._values) if self._values else np.zeros(0, np.float32)
+        if padded:
+            index, values = index[index < n], values[index < n]
         return atomic_write(rank_file(self.output_dir, rank, world_size), lambda f: save_rank_file(
             f, index, np.ones(index.shape, bool), values, rank=rank, world_size=world_size, n=n))
 
@@ -150,6 +210,21 @@ class ExactlyOncePredictionWriter(BasePredictionWriter):
                   "files": [rank_file_name(r, world_size) for r in range(world_size)]}
         atomic_write(self.output_dir / MERGED_FILE, lambda f: f.write(json.dumps(record).encode()))
         return self.predictions
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Every rank, before Lightning builds its predict sampler: fewer samples than ranks
+        would fail its assert on some ranks only; fail here on all, with the way out."""
+        super().setup(trainer, pl_module, stage)
+        source = getattr(getattr(trainer, "predict_loop", None), "_data_source", None)
+        try:  # the loader passed to trainer.predict (Lightning 2.6's _DataConnectorSource)
+            n = len(source.instance.dataset)
+        except (AttributeError, TypeError):
+            return
+        if stage == "predict" and n < trainer.world_size:
+            raise PredictionError(
+                f"{n} samples to predict on {trainer.world_size} processes: Lightning 2.6 needs "
+                "one per process (UnrepeatedDistributedSampler). Call writer.predict(trainer, "
+                "model, loader), which pads the dataset and drops the padding.")
 
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._index, self._values, self.predictions = [], [], None
@@ -162,10 +237,7 @@ class ExactlyOncePredictionWriter(BasePredictionWriter):
         loaders = trainer.predict_dataloaders  # a second one failed at its first batch
         if isinstance(loaders, list | tuple):
             loaders = loaders[0]
-        try:
-            length = len(loaders.dataset)
-        except (AttributeError, TypeError):
-            length = None
+        length = _dataset_length(loaders)
         if self.n is None and length is None:
             raise PredictionError("cannot tell the predict dataset's length: pass n=... to "
                                   f"{type(self).__name__}.")
@@ -173,7 +245,8 @@ class ExactlyOncePredictionWriter(BasePredictionWriter):
             raise PredictionError(f"the predict dataset has {length} samples but the writer "
                                   f"was told n={self.n}.")
         n = self.n if self.n is not None else length
-        self.save_rank(trainer.global_rank, trainer.world_size, n)
+        padded = isinstance(getattr(loaders, "dataset", None), PaddedToWorld)
+        self.save_rank(trainer.global_rank, trainer.world_size, n, padded)
         trainer.strategy.barrier("ExactlyOncePredictionWriter.rank_files")
         if trainer.is_global_zero:
             self.merge(trainer.world_size, n)
