@@ -27,7 +27,7 @@ JOBS ?= 2
 
 help:
 	@echo "make lab            set up (once) and open JupyterLab on notebooks/ (local XLA:CPU emulation)"
-	@echo "make test           lint, then unit tests + every notebook on torch_xla 2.9, then again on 2.8"
+	@echo "make test           lint, unit tests + every notebook on torch_xla 2.9, again on 2.8, then the TPU-numerics lane"
 	@echo "make test-2.9       the same on one torch_xla line only (test-2.8 likewise)"
 	@echo "make test-tpu-numerics  every notebook again with a TPU's matmul numerics emulated (bf16 inputs)"
 	@echo "make run-notebooks  execute every notebook into outputs/ and print a timing table"
@@ -59,9 +59,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check tpu_helpers course tests notebooks benchmarks scripts
 	$(BIN)/python scripts/notebook_template.py --check notebooks
 
-# Lint once, then one pytest run (unit tests and every notebook) per torch_xla line.
-test: lint $(addprefix test-,$(XLA_LINES))
-	@echo "make test: passed on torch_xla $(XLA_LINES)"
+# Lint once, then one pytest run (unit tests and every notebook) per torch_xla line, then every
+# notebook again under the TPU-numerics lane (2.9).
+test: lint $(addprefix test-,$(XLA_LINES)) test-tpu-numerics
+	@echo "make test: passed on torch_xla $(XLA_LINES) and under the TPU-numerics lane"
 
 $(addprefix test-,$(XLA_LINES)): test-%:
 	$(MAKE) --no-print-directory XLA=$* test-one
