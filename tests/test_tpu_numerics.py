@@ -155,9 +155,6 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.xfail(strict=True, reason="open: in this script the forked children (torch_xla.launch "
-                   "fork and os.fork) start with an empty dispatch-mode stack, so they are not "
-                   "rounded; the spawned replica is")
 def test_counter_in_forked_spawned_and_launched_replicas(tmp_path):
     sys.path.insert(0, str(LANE))
     from tpu_numerics import counts

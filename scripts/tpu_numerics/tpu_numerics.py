@@ -28,10 +28,11 @@ import atexit
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 _aten = torch.ops.aten
 _FLUSH_SECONDS = 2.0
@@ -198,8 +199,23 @@ def install() -> None:
     _state["installed"] = True
     mode = _SurveyMode if os.environ.get("TPU_NUMERICS_OPS") == "1" else TpuNumericsMode
     mode().__enter__()  # never exited: active for the life of the process
+    _in_every_thread(mode)
     os.register_at_fork(after_in_child=_after_fork_in_child)
     atexit.register(_flush)
+
+
+def _in_every_thread(mode: type) -> None:
+    """The mode stack is per thread, and torch_xla.launch runs the replica function in a
+    thread of its own (``_run_thread_per_device`` in ``_internal/pjrt.py``, v2.9.0): push the
+    mode at the start of every thread started later (pool workers, loader threads)."""
+    bootstrap = threading.Thread._bootstrap_inner
+
+    def _bootstrap_inner(self):
+        if not _get_current_dispatch_mode_stack():
+            mode().__enter__()
+        return bootstrap(self)
+
+    threading.Thread._bootstrap_inner = _bootstrap_inner
 
 
 def active() -> bool:
