@@ -23,12 +23,13 @@ NB_TIMEOUT ?= 120
 JOBS ?= 2
 
 .PHONY: help setup lab test test-one lint unit notebooks run-notebooks bench strip template \
-        wheel tpu-check clean $(addprefix test-,$(XLA_LINES))
+        wheel tpu-check clean test-tpu-numerics $(addprefix test-,$(XLA_LINES))
 
 help:
 	@echo "make lab            set up (once) and open JupyterLab on notebooks/ (local XLA:CPU emulation)"
-	@echo "make test           lint, then unit tests + every notebook on torch_xla 2.9, then again on 2.8"
+	@echo "make test           lint, unit tests + every notebook on torch_xla 2.9, again on 2.8, then the TPU-numerics lane"
 	@echo "make test-2.9       the same on one torch_xla line only (test-2.8 likewise)"
+	@echo "make test-tpu-numerics  every notebook again with a TPU's matmul numerics emulated (bf16 inputs)"
 	@echo "make run-notebooks  execute every notebook into outputs/ and print a timing table"
 	@echo "make bench          run every benchmark and print one table"
 	@echo "make wheel          build dist/tpu_helpers-*.whl (the toolkit and the course data)"
@@ -58,9 +59,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check tpu_helpers course tests notebooks benchmarks scripts
 	$(BIN)/python scripts/notebook_template.py --check notebooks
 
-# Lint once, then one pytest run (unit tests and every notebook) per torch_xla line.
-test: lint $(addprefix test-,$(XLA_LINES))
-	@echo "make test: passed on torch_xla $(XLA_LINES)"
+# Lint once, then one pytest run (unit tests and every notebook) per torch_xla line, then every
+# notebook again under the TPU-numerics lane (2.9).
+test: lint $(addprefix test-,$(XLA_LINES)) test-tpu-numerics
+	@echo "make test: passed on torch_xla $(XLA_LINES) and under the TPU-numerics lane"
 
 $(addprefix test-,$(XLA_LINES)): test-%:
 	$(MAKE) --no-print-directory XLA=$* test-one
@@ -68,6 +70,19 @@ $(addprefix test-,$(XLA_LINES)): test-%:
 test-one: $(STAMP)
 	@echo "== torch_xla $$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("torch_xla"))') in $(VENV) =="
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile tests notebooks --nbmake --nbmake-timeout=$(NB_TIMEOUT) -p no:cacheprovider --durations=15
+
+# The TPU-numerics lane: every notebook again, with XLA:CPU rounding the float32 inputs of each
+# matmul/convolution to bfloat16 as a TPU does at its default precision (scripts/tpu_numerics,
+# installed in every process by its sitecustomize). Fails unless the emulation rounded matmuls in
+# each notebook's processes. Time is not what this lane checks: the emulation costs time, so the
+# per-notebook budget is relaxed here (the main lanes enforce it).
+TPU_NUMERICS_DIR := $(CURDIR)/outputs/tpu-numerics
+test-tpu-numerics: $(STAMP)
+	rm -rf $(TPU_NUMERICS_DIR)
+	TPU_NUMERICS=1 TPU_NUMERICS_DIR=$(TPU_NUMERICS_DIR) TPU_NB_BUDGET=300 \
+	PYTHONPATH=$(CURDIR)/scripts/tpu_numerics$${PYTHONPATH:+:$$PYTHONPATH} \
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile -p tpu_numerics_lane notebooks --nbmake \
+	  --nbmake-timeout=$(NB_TIMEOUT) -p no:cacheprovider --durations=9
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests -p no:cacheprovider

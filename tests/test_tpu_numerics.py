@@ -1,0 +1,191 @@
+"""The TPU-numerics emulation of the CI lane (scripts/tpu_numerics), checked in fresh Pythons
+with ``TPU_NUMERICS=1`` and real torch_xla on XLA:CPU: XLA matmuls, convolutions and their
+gradients equal CPU fp32 computed on bfloat16-rounded inputs, per matmul precision; CPU tensors
+are untouched; every kind of process (forked, spawned, launched replicas) is covered."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+LANE = REPO / "scripts" / "tpu_numerics"
+
+
+def emulated(code: str, folder: Path, *, on: bool = True, extra_path: str = "",
+             timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` as a script in ``folder`` in a fresh Python with the lane's environment."""
+    script = folder / "probe.py"
+    script.write_text(textwrap.dedent(code))
+    path = os.pathsep.join(p for p in (str(REPO), str(LANE), extra_path) if p)
+    env = {**os.environ, "PYTHONPATH": path, "TPU_NUMERICS": "1" if on else "0",
+           "TPU_NUMERICS_DIR": str(folder / "proof"), "PJRT_DEVICE": "CPU"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def last_json(proc: subprocess.CompletedProcess[str]) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+NUMERICS = """
+import json
+import torch, torch_xla, torch_xla.backends
+import torch.nn.functional as F
+from torch.nn.grad import conv2d_input, conv2d_weight
+import tpu_numerics
+
+r = lambda t: t.bfloat16().float()
+def hi_lo(t):
+    h = r(t)
+    return h, r(t - h)
+gap = lambda a, b: (a - b).abs().max().item()
+dev = torch_xla.device()
+torch.manual_seed(0)
+a, b = torch.randn(64, 48), torch.randn(48, 32)
+w, bias = torch.randn(8, 48), torch.randn(8)
+x, k, kb = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3), torch.randn(4)
+c = torch.randn(2, 4, 7, 7)  # upstream gradients: not representable in bfloat16
+g = torch.randn(64, 8)
+out = {"active": tpu_numerics.active()}
+assert torch_xla.backends.get_mat_mul_precision() == "default"
+
+mm = (a.to(dev) @ b.to(dev)).cpu()
+out["mm_vs_rounded"], out["mm_vs_exact"] = gap(mm, r(a) @ r(b)), gap(mm, a @ b)
+lin = F.linear(a.to(dev), w.to(dev), bias.to(dev)).cpu()
+out["linear_vs_rounded"] = gap(lin, F.linear(r(a), r(w), bias))  # the bias is not rounded
+out["linear_vs_exact"] = gap(lin, F.linear(a, w, bias))
+xd, kd, kbd = (t.to(dev).requires_grad_() for t in (x, k, kb))
+y = F.conv2d(xd, kd, kbd)
+(y * c.to(dev)).sum().backward()
+out["conv_vs_rounded"] = gap(y.detach().cpu(), F.conv2d(r(x), r(k), kb))
+out["conv_vs_exact"] = gap(y.detach().cpu(), F.conv2d(x, k, kb))
+out["dinput_vs_rounded"] = gap(xd.grad.cpu(), conv2d_input(x.shape, r(k), r(c)))
+out["dinput_vs_exact"] = gap(xd.grad.cpu(), conv2d_input(x.shape, k, c))
+out["dweight_vs_rounded"] = gap(kd.grad.cpu(), conv2d_weight(r(x), k.shape, r(c)))
+out["dbias_vs_exact"] = gap(kbd.grad.cpu(), c.sum((0, 2, 3)))  # a sum: not a matmul
+ad = a.to(dev).requires_grad_()
+(F.linear(ad, w.to(dev)) * g.to(dev)).sum().backward()
+out["dlinear_vs_rounded"] = gap(ad.grad.cpu(), r(g) @ r(w))
+out["count_default"] = tpu_numerics.count()
+
+torch_xla.backends.set_mat_mul_precision("high")
+high = (a.to(dev) @ b.to(dev)).cpu()
+(ah, al), (bh, bl) = hi_lo(a), hi_lo(b)
+out["high_vs_3pass"] = gap(high, ah @ bh + ah @ bl + al @ bh)
+out["high_vs_exact"] = gap(high, a @ b)
+xd, kd, kbd = (t.to(dev).requires_grad_() for t in (x, k, kb))
+(F.conv2d(xd, kd, kbd) * c.to(dev)).sum().backward()
+out["high_dbias_vs_exact"] = gap(kbd.grad.cpu(), c.sum((0, 2, 3)))  # not tripled
+out["high_conv_bias_once"] = gap(F.conv2d(xd, kd, kbd).detach().cpu(), F.conv2d(x, k, kb))
+
+torch_xla.backends.set_mat_mul_precision("highest")
+before = tpu_numerics.count()
+out["highest_vs_exact"] = gap((a.to(dev) @ b.to(dev)).cpu(), a @ b)
+out["highest_counted"] = tpu_numerics.count() - before
+before = tpu_numerics.count()
+torch_xla.backends.set_mat_mul_precision("default")
+out["cpu_vs_exact"] = gap(a @ b, a.double().matmul(b.double()).float())
+out["cpu_counted"] = tpu_numerics.count() - before
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def numerics(tmp_path_factory) -> dict:
+    return last_json(emulated(NUMERICS, tmp_path_factory.mktemp("numerics")))
+
+
+def test_default_rounds_matmul_linear_conv_inputs_to_bfloat16(numerics):
+    assert numerics["active"]
+    for op in ("mm", "linear", "conv"):
+        assert numerics[f"{op}_vs_rounded"] < 1e-4, (op, numerics)
+        assert numerics[f"{op}_vs_exact"] > 1e-2, (op, numerics)  # exact fp32 it is not
+
+
+def test_gradients_are_rounded_too_but_not_the_bias_sum(numerics):
+    assert numerics["dinput_vs_rounded"] < 1e-4 < numerics["dinput_vs_exact"], numerics
+    assert numerics["dweight_vs_rounded"] < 1e-4, numerics
+    assert numerics["dlinear_vs_rounded"] < 1e-4, numerics
+    assert numerics["dbias_vs_exact"] < 1e-4, numerics
+    assert numerics["count_default"] >= 6, numerics
+
+
+def test_high_is_three_passes_between_default_and_exact(numerics):
+    assert numerics["high_vs_3pass"] < 1e-5, numerics
+    assert numerics["high_vs_exact"] < numerics["mm_vs_exact"] / 30, numerics
+    assert numerics["high_dbias_vs_exact"] < 1e-4, numerics  # the bias gradient once, not 3x
+    assert numerics["high_conv_bias_once"] < 1e-3, numerics
+
+
+def test_highest_is_exact_and_cpu_tensors_are_untouched(numerics):
+    assert numerics["highest_vs_exact"] < 1e-5 and numerics["highest_counted"] == 0, numerics
+    assert numerics["cpu_vs_exact"] < 1e-5 and numerics["cpu_counted"] == 0, numerics
+
+
+PROCESSES = """
+import os, sys, json
+import torch
+
+def replica(index, folder):
+    import torch_xla, tpu_numerics
+    dev = torch_xla.device()
+    (torch.randn(8, 8, device=dev) @ torch.randn(8, 8, device=dev)).cpu()
+    open(os.path.join(folder, f"replica-{os.getpid()}"), "w").write(str(tpu_numerics.count()))
+
+if __name__ == "__main__":
+    import torch_xla
+    folder = sys.argv[1] if len(sys.argv) > 1 else os.getcwd()
+    torch_xla.launch(replica, args=(folder,), start_method="fork")
+    torch_xla.launch(replica, args=(folder,), start_method="spawn")
+    pid = os.fork()
+    if pid == 0:  # a plain forked child that leaves without atexit, like a pool worker
+        replica(0, folder)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print(json.dumps({"parent": os.getpid()}))
+"""
+
+
+def test_counter_in_forked_spawned_and_launched_replicas(tmp_path):
+    sys.path.insert(0, str(LANE))
+    from tpu_numerics import counts
+
+    parent = last_json(emulated(PROCESSES, tmp_path))["parent"]
+    replicas = {int(p.name.split("-")[1]): int(p.read_text())
+                for p in tmp_path.glob("replica-*")}
+    proof = counts(str(tmp_path / "proof"))
+    assert len(replicas) == 3 and parent not in replicas, replicas
+    assert all(n >= 1 for n in replicas.values()), replicas  # counted in each process
+    assert all(proof.get(pid, 0) >= 1 for pid in replicas), (proof, replicas)  # and visible
+
+
+def test_off_without_the_variable_and_another_sitecustomize_still_runs(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import builtins\nbuiltins.CHAINED = True\n")
+    code = ("import builtins, json, sys, torch_xla\n"
+            "chained = getattr(builtins, 'CHAINED', False)\n"
+            "print(json.dumps([chained, 'tpu_numerics' in sys.modules]))")
+    assert last_json(emulated(code, tmp_path, extra_path=str(other))) == [True, True]
+    assert last_json(emulated(code, tmp_path, on=False, extra_path=str(other))) == [True, False]
+
+
+def test_course_tolerance_treats_the_emulation_like_a_tpu(tmp_path):
+    code = """
+    import json
+    from course.precision import FP32_TOLERANCE, TPU_TOLERANCE, cpu_tolerance, runtime
+    print(json.dumps([runtime(), cpu_tolerance()[0], TPU_TOLERANCE["default"], FP32_TOLERANCE]))
+    """
+    name, tol, tpu, fp32 = last_json(emulated(code, tmp_path))
+    assert (name, tol) == ("emulated TPU", tpu) and tpu > 100 * fp32
+    name, tol, _, _ = last_json(emulated(code, tmp_path, on=False))
+    assert (name, tol) == ("XLA:CPU", fp32)
