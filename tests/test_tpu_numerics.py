@@ -189,3 +189,31 @@ def test_course_tolerance_treats_the_emulation_like_a_tpu(tmp_path):
     assert (name, tol) == ("emulated TPU", tpu) and tpu > 100 * fp32
     name, tol, _, _ = last_json(emulated(code, tmp_path, on=False))
     assert (name, tol) == ("XLA:CPU", fp32)
+
+
+SHARDING = """
+import json, os
+os.environ["CPU_NUM_DEVICES"] = "4"
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+    SpmdFullyShardedDataParallel as FSDPv2)
+
+xr.use_spmd()
+dev = torch_xla.device()
+made = [torch.ones(3).to(dev), torch.zeros(3, device=dev), torch.nn.Linear(8, 16).to(dev).weight]
+model = FSDPv2(torch.nn.Linear(8, 16).to(dev), mesh=xs.Mesh(np.arange(4), (4,), ("fsdp",)))
+print(json.dumps({"functional": [torch._is_functional_tensor(t) for t in made],
+                  "fsdp_weight": torch_xla._XLAC._get_xla_sharding_spec(model.module.weight)}))
+"""
+
+
+def test_tensors_made_under_the_lane_are_the_usual_ones_and_fsdpv2_shards_them(tmp_path):
+    """The mode sees factory ops and CPU->XLA copies itself (no XLA input for functionalization
+    to unwrap), with Functionalize excluded: torch_xla then returns unwrapped tensors, and
+    ``param.data = ...`` (FSDPv2's ``module.to('xla')``) silently re-uploads them replicated."""
+    off = last_json(emulated(SHARDING, tmp_path, on=False))
+    on = last_json(emulated(SHARDING, tmp_path))
+    assert off == {"functional": [True] * 3, "fsdp_weight": "{devices=[4,1]0,1,2,3}"}, off
+    assert on == off
+

@@ -33,6 +33,7 @@ import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves
 
 _aten = torch.ops.aten
 _FLUSH_SECONDS = 2.0
@@ -127,13 +128,36 @@ def _rounded(func, args, kwargs, precision):
     return out
 
 
+_FUNCTIONALIZE = torch._C.DispatchKey.Functionalize
+
+
+def _as_without_the_mode(func, args, kwargs):
+    """Run an op that no XLA tensor flows into (a factory such as ``zeros(device=xla)``, a
+    CPU->XLA copy, a CPU op) as if no mode were active. The dispatcher hands such ops to the mode
+    BEFORE functionalization and runs ``__torch_dispatch__`` with the Functionalize key
+    excluded; torch_xla then returns a bare XLA tensor (no ``FunctionalTensorWrapper``, the
+    "lifted later" case of ``AtenFromXlaTensor``) that nothing lifts. Such tensors are not what
+    a TPU run has: ``param.data = ...`` (``module.to('xla')`` in FSDPv2) re-uploads them through
+    the host as replicated, dropping their sharding. Ops on XLA tensors reach the mode already
+    unwrapped by functionalization, which re-wraps their results: they keep the exclusion."""
+    if any(isinstance(a, torch.Tensor) and a.device.type == "xla"
+           for a in tree_leaves((args, kwargs))):
+        return func(*args, **kwargs)
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_FUNCTIONALIZE)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(_FUNCTIONALIZE, False)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_FUNCTIONALIZE, excluded)
+
+
 class TpuNumericsMode(TorchDispatchMode):
     """Round the float32 multiplicands of XLA matmuls/convolutions like a TPU would."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _OPS:
-            return func(*args, **kwargs)
+            return _as_without_the_mode(func, args, kwargs)
         if not all(_eligible(args[i]) for i in _positions(func)):
             return func(*args, **kwargs)
         precision = _precision()
