@@ -290,7 +290,7 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
                 break
         torch_xla.sync()
         if run.batch < len(train_loader):
-            break  # stopped by max_steps inside the epoch (checkpointed above)
+            break  # stopped by max_steps inside the epoch (after_step checkpointed it)
         seconds = time.perf_counter() - started
         held_out = None if eval_loader is None else evaluate(
             model, pl.MpDeviceLoader(eval_loader, device, input_sharding=sharding), loss_fn)
@@ -361,6 +361,7 @@ class Run:
     ckpts: checkpoint.CheckpointDir | None = None
     scheduler: Any = None  # the user's LR scheduler (its state is checkpointed), or None
     from_step: int = 0
+    master: bool = field(default_factory=lambda: xm.is_master_ordinal(local=False))
 
     @property
     def last(self) -> int:
@@ -373,10 +374,10 @@ class Run:
                    steps_per_epoch: int) -> None:
         """Count the step, queue the log read, checkpoint if due, step a per-step schedule."""
         self.step, self.batch = self.step + 1, self.batch + 1
-        c, master = self.config, xm.is_master_ordinal(local=False)
+        c = self.config
         if self.batch % c.log_every == 0:  # read after the step ran: no sync here
-            xm.add_step_closure(self._log, args=(self.step, totals, _lr(optimizer), master))
-        if c.progress and master:
+            xm.add_step_closure(self._log, args=(self.step, totals, _lr(optimizer)))
+        if c.progress and self.master:
             print(f"step {self.step}/{self.last}", flush=True)
         if self.scheduler is not None and c.scheduler_step == "step":
             self.scheduler.step()
@@ -384,12 +385,12 @@ class Run:
         if (every or self.step == self.last) and self.batch < steps_per_epoch:
             self.save(model, optimizer, totals)  # mid-epoch (epoch ends save in end_epoch)
 
-    def _log(self, step: int, totals: torch.Tensor, lr: float, master: bool) -> None:
+    def _log(self, step: int, totals: torch.Tensor, lr: float) -> None:
         loss_sum, correct, count = totals.tolist()  # the loop's one device-to-host read
         _check_finite(loss_sum / count, step, lr)
         self.history["log"].append({"step": step, "loss": loss_sum / count,
                                     "acc": correct / count})
-        if self.config.progress and master:
+        if self.config.progress and self.master:
             print(f"[step {step}] loss {loss_sum / count:.4f} acc {correct / count:.3f}")
 
     def save(self, model: nn.Module, optimizer: Any, totals: torch.Tensor,
@@ -437,7 +438,7 @@ class Run:
                 f"0 steps run: resumed at step {self.step}, where epochs={self.config.epochs}"
                 f", max_steps={self.config.max_steps} stop; raise them, or start over "
                 "(resume=False / --no-resume, or another out_dir)")
-            if xm.is_master_ordinal(local=False):
+            if self.master:
                 print(self.history["note"], flush=True)
         if self.config.out_dir:
             out = Path(self.config.out_dir)
