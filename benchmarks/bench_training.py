@@ -332,7 +332,7 @@ def ours_row(epochs: int, images, labels, sgd: bool = False) -> None:
 def _config(epochs: int, sgd: bool):
     from tpu_helpers.train import Config
 
-    config = Config(epochs=epochs, batch_size=BATCH_SIZE, log_every=LOG_EVERY)
+    config = Config(epochs=epochs, global_batch=BATCH_SIZE, log_every=LOG_EVERY)
     if sgd:
         return dataclasses.replace(config, optimizer="sgd", **UPSTREAM_SGD)
     return config
@@ -345,6 +345,7 @@ def ceiling_row(epochs: int, images, labels, sgd: bool = False) -> None:
     """The compiled step on batches already on the device: no loader, no logging."""
     import torch
     import torch_xla
+    from torch.utils.data import TensorDataset
 
     from course.models import DigitsCNN
     from tpu_helpers.train import make_loaders, make_optimizer, train_step
@@ -354,7 +355,8 @@ def ceiling_row(epochs: int, images, labels, sgd: bool = False) -> None:
     torch.manual_seed(config.seed)
     model = DigitsCNN().to(device)
     optimizer = make_optimizer(config, model)
-    loader, _ = make_loaders((images, labels, None, None), config, world=1, rank=0)
+    train_set = TensorDataset(torch.from_numpy(images), torch.from_numpy(labels))
+    loader, _ = make_loaders(train_set, None, config, world=1, rank=0)
     batches = [(x.to(device), y.to(device)) for x, y in loader]
     torch_xla.sync()
     BENCH.start()

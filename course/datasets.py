@@ -198,12 +198,13 @@ def _integer_labels(column: pd.Series, lines: np.ndarray, path: Path, name: str
 
 def _check_label_range(labels: np.ndarray, lines: np.ndarray, num_classes: int | None,
                        path: Path, files: np.ndarray | None = None) -> None:
-    """Labels are ``>= 0`` (and ``< num_classes`` if given); the error names the CSV line."""
+    """Labels are ``>= 0`` (and ``< num_classes`` if given); the error names the CSV line.
+    A table's target (no ``files``) without ``num_classes`` must be the classes 0..K-1."""
     def where(i: int) -> str:
         named = f" ({files[i]})" if files is not None else ""
         return f"line {lines[i]}{named}: label {labels[i]}"
 
-    check_labels(labels, num_classes, str(path), where)
+    check_labels(labels, num_classes, str(path), where, dense=files is None)
 
 
 def _check_listed_once(table: pd.DataFrame, path: Path) -> None:
@@ -317,7 +318,8 @@ def load_tabular_csv(path: str | Path, label_column: str = "target", split: str 
     row numbers pandas' ``df.to_csv(path)`` writes without ``index=False``) is refused.
     Labels may be written ``3`` or ``3.0``. Raises :class:`DataError` naming the file
     and line for ragged rows, NaN/inf or missing values, non-numeric features, missing,
-    non-integer or out-of-range labels (``< 0``, or ``>= num_classes`` if given), and
+    non-integer or out-of-range labels (``< 0``, or ``>= num_classes`` if given; without
+    ``num_classes`` the labels must be the classes 0..K-1, so a regression target is refused),
     naming the file for unknown column names or an empty (split of the) file. Blank lines
     are skipped but counted in line numbers.
     """

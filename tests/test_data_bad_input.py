@@ -156,7 +156,7 @@ def test_mismatched_lengths_and_bad_arguments():
         D.ArrayDataset(np.zeros((3, 2), np.float32), [0, 1])
     with pytest.raises(D.DataError, match=r"rank 8 is not in 0\.\.7"):
         D.eval_shard_indices(10, 2, 8, 8)
-    with pytest.raises(D.DataError, match="batch_size must be >= 1"):
+    with pytest.raises(D.DataError, match="per_replica_batch must be >= 1"):
         D.eval_shard_indices(10, 0, 1, 0)
     with pytest.raises(D.DataError, match="split must be one of"):
         DS.load_digits("valid")

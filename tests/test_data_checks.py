@@ -367,3 +367,18 @@ def test_unknown_feature_columns_list_the_available_ones(tmp_path):
     with pytest.raises(D.DataError, match=r"p\.csv: no column\(s\) \['c'\].*"
                                           r"\['a', 'b', 'target', 'split'\]"):
         DS.load_tabular_csv(path, feature_columns=["a", "c"])
+
+
+def test_a_regression_target_is_not_loaded_as_classes(tmp_path):
+    # integral targets 25..346 (a regression dataset): 322 "classes" before, silently
+    path = tmp_path / "diabetes.csv"
+    rows = "\n".join(f"{v / 100},{v}" for v in range(25, 347))
+    path.write_text("bmi,target\n" + rows + "\n")
+    with pytest.raises(D.DataError, match=r"diabetes\.csv: the labels hold 322 distinct values "
+                                          r"in 25\.\.346, not the classes 0\.\.K-1 \(25 of "
+                                          r"0\.\.346 never occur\): a regression target\?"):
+        DS.load_tabular_csv(path)
+    x, y = DS.load_tabular_csv(path, num_classes=347)  # class ids, said explicitly
+    assert y.min() == 25 and len(y) == 322
+    path.write_text("a,target\n1,0\n2,2\n3,1\n")  # 0..K-1, each present
+    assert DS.load_tabular_csv(path)[1].tolist() == [0, 2, 1]

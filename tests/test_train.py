@@ -38,7 +38,7 @@ def digits_npz(folder: Path) -> list[str]:
 
 def _train_cmd(out: Path, *extra: str, checkpoint_every: int = 3) -> list[str]:
     return [sys.executable, "-m", "tpu_helpers.train", "--out-dir", str(out),
-            *digits_npz(out.parent), "--batch-size", "128", "--max-steps", str(STEPS),
+            *digits_npz(out.parent), "--global-batch", "128", "--max-steps", str(STEPS),
             "--checkpoint-every", str(checkpoint_every), "--log-every", "4",
             "--progress", *extra]
 
@@ -293,8 +293,8 @@ def test_script_help_names_the_modes_and_who_writes():
 
 
 def test_config_rejects_bad_settings_before_anything_runs():
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
-        Config(batch_size=0)
+    with pytest.raises(ValueError, match="global_batch must be >= 1"):
+        Config(global_batch=0)
     with pytest.raises(ValueError, match="optimizer must be one of"):
         Config(optimizer="adam")
     with pytest.raises(ValueError, match="storage must be one of"):
@@ -309,11 +309,11 @@ def test_spmd_batch_must_split_over_the_devices():
         configure_emulation(num_devices=4)
         from tpu_helpers.train import Config, train
         try:
-            train(Config(spmd=True, batch_size=66))
+            train(Config(spmd=True, global_batch=66))
         except ValueError as exc:
             print("ERROR", exc)
         """, timeout=300)
-    assert "ERROR batch_size=66 does not split evenly over 4 devices" in proc.stdout
+    assert "ERROR global_batch=66 does not split evenly over 4 devices" in proc.stdout
 
 
 # --------------------------------------------------------------------------- compile cache

@@ -49,8 +49,8 @@ def history(out: Path) -> dict:
 def test_resume_refuses_other_settings_then_matches_an_uninterrupted_run(tmp_path):
     # 1,437 images / batch 128 = 11 steps an epoch; stop at 7 (between log points 4 and 8)
     whole, split, other = tmp_path / "whole", tmp_path / "split", tmp_path / "other"
-    train(whole, "--batch-size", "128", "--epochs", "2")
-    train(split, "--batch-size", "128", "--epochs", "2", "--max-steps", "7")
+    train(whole, "--global-batch", "128", "--epochs", "2")
+    train(split, "--global-batch", "128", "--epochs", "2", "--max-steps", "7")
     ckpt = "step-00000007.pt"
     assert CheckpointDir(split / "checkpoints").steps() == [7]
     shutil.copytree(split, other)
@@ -59,9 +59,9 @@ def test_resume_refuses_other_settings_then_matches_an_uninterrupted_run(tmp_pat
     saved = load_checkpoint(split / "checkpoints" / ckpt)
     model = DigitsCNN()
     optimizer = torch.optim.AdamW(model.parameters())
-    config = Config(batch_size=128)
+    config = Config(global_batch=128)
     settings = saved["extra"]["settings"]
-    assert settings == {"mode": "launch", "world_size": 1, "devices": 1, "batch_size": 128,
+    assert settings == {"mode": "launch", "world_size": 1, "devices": 1, "global_batch": 128,
                         "seed": 0, "train_samples": 1437, "steps_per_epoch": 11}
     for key, value in (("devices", 4), ("world_size", 8), ("train_samples", 1000), ("seed", 1),
                        ("steps_per_epoch", 5), ("mode", "spmd")):
@@ -71,8 +71,8 @@ def test_resume_refuses_other_settings_then_matches_an_uninterrupted_run(tmp_pat
                         model, optimizer)
     # and through the script, as a user meets it
     for args, devices, expected in (
-        (["--batch-size", "64"], 1, ["batch_size=128 in the checkpoint, 64 now"]),
-        (["--batch-size", "128", "--spmd"], 2,
+        (["--global-batch", "64"], 1, ["global_batch=128 in the checkpoint, 64 now"]),
+        (["--global-batch", "128", "--spmd"], 2,
          ["mode='launch' in the checkpoint, 'spmd' now",
           "devices=1 in the checkpoint, 2 now"]),
     ):
@@ -87,7 +87,7 @@ def test_resume_refuses_other_settings_then_matches_an_uninterrupted_run(tmp_pat
         assert history(split) == stopped
 
     # the same settings: the interrupted epoch is reported as the uninterrupted run does
-    resumed = train(split, "--batch-size", "128", "--epochs", "2")
+    resumed = train(split, "--global-batch", "128", "--epochs", "2")
     assert f"resumed from {ckpt}" in resumed.stdout
     a, b = history(whole), history(split)
     assert metrics(b) == metrics(a)  # the resumed epoch counts all 11 steps, not 4
@@ -99,12 +99,13 @@ def test_resume_refuses_other_settings_then_matches_an_uninterrupted_run(tmp_pat
 
     # new settings on request: its weights and optimizer, a new epoch with batch 64
     before = load_checkpoint(other / "checkpoints" / ckpt)["model"]
-    train(other, "--batch-size", "64", "--epochs", "2", "--resume-new-settings")
+    train(other, "--global-batch", "64", "--epochs", "2", "--resume-new-settings")
     h = history(other)
-    assert h["batch_size"] == 64 and h["config"]["batch_size"] == 64
+    assert h["global_batch"] == 64 and h["config"]["global_batch"] == 64
     assert h["steps_per_epoch"] == 22  # 1,437 / 64
     assert h["runs"][-1] == {"from_step": 7, "checkpoint": ckpt, "new_settings": True,
-                             "settings": {**h["runs"][0]["settings"], "batch_size": 64,
+                             "steps": 22,
+                             "settings": {**h["runs"][0]["settings"], "global_batch": 64,
                                           "steps_per_epoch": 22}}
     # the stopped epoch 1 is not finished: training went on with epoch 2
     assert [row["epoch"] for row in h["epochs"]] == [2]

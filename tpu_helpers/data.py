@@ -4,7 +4,8 @@ Taught in ``notebooks/01_dataset_setup.ipynb`` (written there by hand first) and
 ``notebooks/02_parallel_loader.ipynb`` (wrapped in ``MpDeviceLoader``). Copy this file alone:
 it needs torch and numpy; importing it imports no torch_xla (only omitted ``world_size``/``rank``
 ask the runtime). :class:`ArrayDataset` holds checked numpy fields (forked workers share the
-pages); :func:`make_train_loader` gives each replica as many full per-replica batches;
+pages); :func:`make_train_loader` gives each replica as many full batches of ``per_replica_batch``
+(the global batch, one optimizer step over all replicas, is ``per_replica_batch * world_size``);
 :func:`make_eval_loader` pads the last batches with masked rows (index ``-1``) so each index is
 scored once. Every check raises :class:`DataError` naming the row or dataset index.
 """
@@ -35,9 +36,11 @@ def check_finite(features: np.ndarray, source: str = "features") -> None:
 
 
 def check_labels(labels: np.ndarray, num_classes: int | None, source: str = "labels",
-                 where: Callable[[int], str] | None = None) -> None:
+                 where: Callable[[int], str] | None = None, *, dense: bool = False) -> None:
     """Raise :class:`DataError` naming the first label that is not an integer in range
-    (``where(i)`` says where row ``i`` came from, e.g. a CSV line; default: its index)."""
+    (``where(i)`` says where row ``i`` came from, e.g. a CSV line; default: its index).
+    ``dense`` (a whole dataset, no ``num_classes``): the labels must be the classes 0..K-1,
+    each present; a regression target (say 25..346) is refused, naming its range."""
     if labels.ndim != 1:
         raise DataError(f"{source}: labels must be one-dimensional, got shape {labels.shape}.")
     if labels.dtype.kind not in "iu":
@@ -50,6 +53,13 @@ def check_labels(labels: np.ndarray, num_classes: int | None, source: str = "lab
         rng = f"0..{num_classes - 1}" if num_classes is not None else ">= 0"
         at = where(i) if where else f"label {int(labels[i])} at index {i}"
         raise DataError(f"{source}: {at} is out of range {rng}.")
+    present = np.unique(labels)
+    if dense and num_classes is None and len(present) and len(present) != present[-1] + 1:
+        raise DataError(
+            f"{source}: the labels hold {len(present)} distinct values in {present[0]}.."
+            f"{present[-1]}, not the classes 0..K-1 ({present[-1] + 1 - len(present)} of "
+            f"0..{present[-1]} never occur): a regression target? If these are class ids, "
+            f"pass num_classes (e.g. num_classes={present[-1] + 1}).")
 
 
 def _stack_rows(rows: Any, what: str) -> np.ndarray:
@@ -114,44 +124,48 @@ def _replica(world_size: int | None, rank: int | None) -> tuple[int, int]:
     return int(world_size), int(rank)
 
 
-def _check_batch(n: int, batch_size: int) -> None:
-    if batch_size < 1:
-        raise DataError(f"batch_size must be >= 1, got {batch_size}.")
+def _check_batch(n: int, per_replica_batch: int) -> None:
+    if per_replica_batch < 1:
+        raise DataError(f"per_replica_batch must be >= 1, got {per_replica_batch}.")
     if n == 0:
         raise DataError("the dataset is empty (0 samples): nothing to load.")
 
 
-def train_steps_per_epoch(n: int, batch_size: int, world_size: int) -> int:
+def train_steps_per_epoch(n: int, per_replica_batch: int, world_size: int) -> int:
     """Full batches each replica runs per epoch under :func:`make_train_loader`."""
-    return math.ceil(n / world_size) // batch_size
+    return math.ceil(n / world_size) // per_replica_batch
 
 
-def make_train_loader(dataset: Dataset, batch_size: int, *, world_size: int | None = None,
+def make_train_loader(dataset: Dataset, per_replica_batch: int, *,
+                      world_size: int | None = None,
                       rank: int | None = None, seed: int = 0,
                       num_workers: int = 0) -> DataLoader:
     """``DataLoader(dataset, batch_size, sampler=DistributedSampler(...), drop_last=True)``
-    with a collate naming an odd item's dataset index. ``batch_size`` is PER REPLICA; call
-    ``loader.sampler.set_epoch(epoch)`` every epoch. :class:`DataError` if no full batch."""
+    with a collate naming an odd item's dataset index (the global batch is
+    ``per_replica_batch * world_size``); call ``loader.sampler.set_epoch(epoch)`` every
+    epoch. :class:`DataError` if no full batch."""
     ws, rk = _replica(world_size, rank)
     n = len(dataset)
-    _check_batch(n, batch_size)
+    _check_batch(n, per_replica_batch)
     per_replica = math.ceil(n / ws)
-    if per_replica < batch_size:
+    if per_replica < per_replica_batch:
         raise DataError(f"training set too small: {n} samples over {ws} replica(s) gives "
-                        f"each {per_replica}, fewer than one batch of {batch_size}; use "
-                        f"batch_size <= {per_replica}, more data, or fewer replicas.")
+                        f"each {per_replica}, fewer than one batch of {per_replica_batch}; "
+                        f"use per_replica_batch <= {per_replica}, more data, or fewer "
+                        "replicas.")
     sampler = DistributedSampler(dataset, num_replicas=ws, rank=rk, shuffle=True, seed=seed)
-    return DataLoader(_IndexedItems(dataset), batch_size=batch_size, sampler=sampler,
+    return DataLoader(_IndexedItems(dataset), batch_size=per_replica_batch, sampler=sampler,
                       drop_last=True, num_workers=num_workers, collate_fn=_collate_train)
 
 
-def eval_shard_indices(n: int, batch_size: int, world_size: int, rank: int) -> np.ndarray:
+def eval_shard_indices(n: int, per_replica_batch: int, world_size: int,
+                       rank: int) -> np.ndarray:
     """The dataset indices replica ``rank`` evaluates, dealt round-robin; ``-1`` pads every
     replica to as many full batches (each index on one replica, once). Pure."""
-    _check_batch(n, batch_size)
+    _check_batch(n, per_replica_batch)
     _replica(world_size, rank)
-    steps = math.ceil(n / (batch_size * world_size))
-    padded = np.full(steps * batch_size * world_size, -1, dtype=np.int64)
+    steps = math.ceil(n / (per_replica_batch * world_size))
+    padded = np.full(steps * per_replica_batch * world_size, -1, dtype=np.int64)
     padded[:n] = np.arange(n, dtype=np.int64)
     return padded[rank::world_size].copy()
 
@@ -176,13 +190,15 @@ class PaddedEvalDataset(Dataset):
         return x, y, torch.tensor(index, dtype=torch.int64), torch.tensor(True)
 
 
-def make_eval_loader(dataset: Dataset, batch_size: int, *, world_size: int | None = None,
-                     rank: int | None = None, num_workers: int = 0) -> DataLoader:
-    """Batches of ``(x, y, index, mask)``, all full, as many on every replica; each dataset
-    index is in one unmasked row (:func:`eval_shard_indices`). Reduce with the mask."""
+def make_eval_loader(dataset: Dataset, per_replica_batch: int, *,
+                     world_size: int | None = None, rank: int | None = None,
+                     num_workers: int = 0) -> DataLoader:
+    """Batches of ``per_replica_batch`` ``(x, y, index, mask)`` rows, all full, as many on
+    every replica; each dataset index is in one unmasked row (:func:`eval_shard_indices`).
+    Reduce with the mask."""
     ws, rk = _replica(world_size, rank)
-    indices = eval_shard_indices(len(dataset), batch_size, ws, rk)
-    return DataLoader(PaddedEvalDataset(dataset), batch_size=batch_size,
+    indices = eval_shard_indices(len(dataset), per_replica_batch, ws, rk)
+    return DataLoader(PaddedEvalDataset(dataset), batch_size=per_replica_batch,
                       sampler=indices.tolist(), shuffle=False, drop_last=False,
                       num_workers=num_workers, collate_fn=_collate_eval)
 

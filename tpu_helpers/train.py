@@ -8,8 +8,12 @@ worker of a TPU pod)::
     python -m tpu_helpers.train --data train.npz --eval-data test.npz --out-dir runs/a [--spmd]
 
 :func:`train` runs :func:`fit` under :func:`launch` (failures name the rank) or SPMD; options
-are :class:`Config` (the flags come from it). Batch sizes are GLOBAL (each replica loads
-``batch_size // world_size``). Resuming from ``out_dir/checkpoints`` continues bit for bit.
+are :class:`Config` (the flags come from it). Your own pieces are keyword arguments of both:
+``model_fn()``, ``loss_fn(output, target)``, ``optimizer_fn(params, config)``,
+``scheduler_fn(optimizer, config)`` and the data as torch ``Dataset``s (or numpy arrays).
+``global_batch`` is the batch of one optimizer step over ALL replicas; each replica loads
+its ``per_replica_batch = global_batch // world_size``. Resuming from ``out_dir/checkpoints``
+continues bit for bit (weights, optimizer, schedule, data order, dropout).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import faulthandler
 import functools
 import itertools
 import json
+import math
 import os
 import pickle
 import re
@@ -46,7 +51,7 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 try:  # inside the tpu_helpers package
     from . import checkpoint
@@ -63,12 +68,17 @@ class Config:
     """Every option of a run; ``python -m tpu_helpers.train --help`` lists the same fields."""
 
     epochs: int = _opt(6, "epochs to train")
-    batch_size: int = _opt(64, "GLOBAL batch (each replica loads batch_size // world_size)")
-    eval_batch_size: int = _opt(64, "GLOBAL evaluation batch (padded + masked: any data size)")
-    lr: float = _opt(3e-3, "learning rate")
-    weight_decay: float = _opt(1e-2, "AdamW weight decay")
-    optimizer: str = _opt("adamw", "optimizer", choices=("adamw", "sgd"))
-    momentum: float = _opt(0.5, "SGD momentum")
+    global_batch: int = _opt(64, "samples per optimizer step over ALL replicas (each loads "
+                             "global_batch // world_size: its per-replica batch)")
+    eval_global_batch: int = _opt(64, "evaluation samples per step over ALL replicas (padded "
+                                  "+ masked: any data size)")
+    lr: float = _opt(3e-3, "learning rate (the built-in optimizers; yours reads config.lr)")
+    weight_decay: float = _opt(1e-2, "AdamW weight decay (built-in optimizer)")
+    optimizer: str = _opt("adamw", "built-in optimizer, when fit gets no optimizer_fn",
+                          choices=("adamw", "sgd"))
+    momentum: float = _opt(0.5, "SGD momentum (built-in optimizer)")
+    scheduler_step: str = _opt("epoch", "call scheduler.step() after every epoch or step",
+                               choices=("epoch", "step"))
     seed: int = _opt(0, "seed of the weights, the shuffle and the dropout")
     log_every: int = _opt(5, "read loss/accuracy back every N steps (in a step closure)")
     max_steps: int | None = _opt(None, "stop after N optimizer steps in total")
@@ -91,7 +101,8 @@ class Config:
                              choices=("fork", "spawn"))
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "eval_batch_size", "log_every", "keep", "max_steps"):
+        for name in ("epochs", "global_batch", "eval_global_batch", "log_every", "keep",
+                     "max_steps"):
             if (value := getattr(self, name)) is not None and value < 1:  # max_steps: None ok
                 raise ValueError(f"{name} must be >= 1, got {value}")
         for f in dataclasses.fields(self):
@@ -118,6 +129,9 @@ class Net(nn.Module):
 
 
 Data = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
+#: ``fit``'s data: a training ``Dataset`` of ``(x, y)`` items, or ``(x, y, eval_x, eval_y)``
+#: numpy arrays (eval ones may be None), or None (``config.data``, else fake data).
+AnyData = Dataset | Data | None
 
 
 def load_data(config: Config) -> Data:
@@ -131,51 +145,91 @@ def load_data(config: Config) -> Data:
     for path in (config.data, config.eval_data):
         if path:
             with np.load(path, allow_pickle=False) as f:  # arrays only: nothing can run code
-                arrays += [f["x"].astype(np.float32), f["y"].astype(np.int64)]
+                arrays += [f["x"].astype(np.float32), _class_ids(f["y"], path)]
         else:
             arrays += [None, None]
     return tuple(arrays)  # type: ignore[return-value]
 
 
-def make_loaders(data: Data, config: Config, world: int,
+def _class_ids(y: np.ndarray, source: str) -> np.ndarray:
+    """``y`` as int64 class ids 0..K-1, each present; else a ValueError naming the range."""
+    if y.dtype.kind == "f" and np.array_equal(y, np.round(y)):
+        y = y.astype(np.int64)
+    if y.dtype.kind not in "iu" or y.ndim != 1:
+        raise ValueError(f"{source}: y must be 1-D integer class ids, got {y.dtype} {y.shape}")
+    present = np.unique(y)
+    if len(y) and (present[0] < 0 or len(present) != present[-1] + 1):
+        raise ValueError(f"{source}: y holds {len(present)} distinct values in "
+                         f"{present[0]}..{present[-1]}, not the class ids 0..K-1 "
+                         "(a regression target?)")
+    return y.astype(np.int64)
+
+
+def _datasets(data: AnyData, eval_data: Dataset | None,
+              config: Config) -> tuple[Dataset, Dataset | None]:
+    """The training and evaluation ``Dataset``s, from datasets or arrays."""
+    if data is None or isinstance(data, tuple):
+        x, y, ex, ey = load_data(config) if data is None else data
+        data = TensorDataset(torch.from_numpy(np.asarray(x, np.float32)),
+                             torch.from_numpy(np.asarray(y, np.int64)))
+        if ex is not None and eval_data is None:
+            eval_data = TensorDataset(torch.from_numpy(np.asarray(ex, np.float32)),
+                                      torch.from_numpy(np.asarray(ey, np.int64)))
+    return data, eval_data
+
+
+class _Masked(Dataset):
+    """``dataset`` padded to ``size`` items ``(x, y, real)``: padding repeats rows, masked."""
+
+    def __init__(self, dataset: Dataset, size: int) -> None:
+        self.dataset, self.size, self.n = dataset, size, len(dataset)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[Any, Any, torch.Tensor]:
+        x, y = self.dataset[i % self.n]
+        return x, y, torch.tensor(i < self.n)
+
+
+def make_loaders(train_set: Dataset, eval_set: Dataset | None, config: Config, world: int,
                  rank: int) -> tuple[DataLoader, DataLoader | None]:
-    """This replica's loaders: a shuffled shard in full batches (the same steps and samples
-    per step for any world size); an eval shard padded with
-    masked rows to whole batches (any size, any device count, each real row once)."""
-    x, y, ex, ey = data
-    train_set = TensorDataset(torch.from_numpy(np.asarray(x, np.float32)),
-                              torch.from_numpy(np.asarray(y, np.int64)))
-    # drop_last on the sampler too: every world size runs len(x) // batch_size steps of
-    # batch_size distinct samples (padding would repeat samples, sometimes into an extra step)
+    """This replica's loaders: a shuffled shard in full per-replica batches (the same steps
+    and samples per step for any world size); an eval shard padded with masked rows to whole
+    batches (any size, any device count, each row once)."""
+    per_replica_batch = config.global_batch // world
+    # drop_last on the sampler too: every world size runs len(data) // global_batch steps of
+    # distinct samples (padding would repeat samples, sometimes into an extra step)
     sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=config.seed,
                                  drop_last=True)
-    train = DataLoader(train_set, batch_size=config.batch_size // world, sampler=sampler,
+    train = DataLoader(train_set, batch_size=per_replica_batch, sampler=sampler,
                        drop_last=True)
     if len(train) == 0:
-        raise ValueError(f"{len(x)} samples over {world} replica(s) give no batch of "
-                         f"{config.batch_size // world}: use a smaller batch_size")
-    if ex is None:
+        raise ValueError(f"{len(train_set)} samples over {world} replica(s) give no batch of "
+                         f"{per_replica_batch}: use a smaller global_batch")
+    if eval_set is None:
         return train, None
-    per = config.eval_batch_size // world
-    rows = np.arange(-(-len(ex) // (per * world)) * per * world)  # whole batches everywhere
-    padded = TensorDataset(torch.from_numpy(np.asarray(ex, np.float32)[rows % len(ex)]),
-                           torch.from_numpy(np.asarray(ey, np.int64)[rows % len(ex)]),
-                           torch.from_numpy(rows < len(ex)))  # the mask: real rows
+    per = config.eval_global_batch // world
+    padded = _Masked(eval_set, -(-len(eval_set) // (per * world)) * per * world)
     shard = DistributedSampler(padded, world, rank, shuffle=False)
     return train, DataLoader(padded, batch_size=per, sampler=shard)
 
 
+class TrainingDiverged(FloatingPointError):
+    """The training loss became NaN or infinite (the error names the step and the lr)."""
+
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor) -> torch.Tensor:
+               y: torch.Tensor, loss_fn: Callable[..., torch.Tensor] = F.cross_entropy
+               ) -> torch.Tensor:
     """One step; returns ``[loss_sum, correct, count]`` summed over replicas, on the device."""
     optimizer.zero_grad(set_to_none=True)
-    logits = model(x)
-    loss = F.cross_entropy(logits, y)
+    output = model(x)
+    loss = loss_fn(output, y)
     loss.backward()
     xm.optimizer_step(optimizer)  # all-reduce the gradients across replicas, then step
     n = y.shape[0]
-    stats = torch.stack([loss.detach() * n, (logits.argmax(1) == y).sum().to(loss.dtype),
+    stats = torch.stack([loss.detach() * n, (output.argmax(1) == y).sum().to(loss.dtype),
                          torch.ones_like(loss) * n])
     return xm.all_reduce(xm.REDUCE_SUM, stats)  # inside the step's graph: no extra compile
 
@@ -185,51 +239,55 @@ def step_seed(seed: int, step: int, rank: int = 0) -> int:
     return ((seed % 2**23) * 2**28 + step % 2**28) * 2**12 + rank % 2**12
 
 
-def evaluate(model: nn.Module, batches: Any) -> torch.Tensor:
-    """``[loss_sum, correct, count]`` over the real (mask True) rows, summed over replicas."""
+def evaluate(model: nn.Module, batches: Any,
+             loss_fn: Callable[..., torch.Tensor] = F.cross_entropy) -> torch.Tensor:
+    """``[loss_sum, correct, count]`` over the real (mask True) rows, summed over replicas.
+    ``loss_fn(output, target, reduction="none")`` gives per-row losses (as torch's do)."""
     model.eval()
     totals = torch.zeros(3).to(torch_xla.device())
     with torch.no_grad():
         for x, y, mask in batches:
-            logits, m = model(x), mask.float()
-            loss = F.cross_entropy(logits, y, reduction="none")
-            stats = torch.stack([(loss * m).sum(), ((logits.argmax(1) == y) & mask).sum().float(),
+            output, m = model(x), mask.float()
+            loss = loss_fn(output, y, reduction="none")
+            stats = torch.stack([(loss * m).sum(), ((output.argmax(1) == y) & mask).sum().float(),
                                  m.sum()])
             totals = totals + xm.all_reduce(xm.REDUCE_SUM, stats)
     model.train()
     return totals
 
 
+def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """The built-in optimizer ``config.optimizer`` (``fit``'s default ``optimizer_fn``)."""
+    return builtin_optimizer(model.parameters(), config)
 
-def fit(config: Config, data: Data | None = None,
-        model_fn: Callable[[], nn.Module] = Net) -> dict[str, Any]:
+
+def builtin_optimizer(params: Any, config: Config) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] = Net, *,
+        eval_data: Dataset | None = None,
+        loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
+        optimizer_fn: Callable[[Any, Config], torch.optim.Optimizer] = builtin_optimizer,
+        scheduler_fn: Callable[[Any, Config], Any] | None = None) -> dict[str, Any]:
     """Train in THIS replica (call it in ``torch_xla.launch``'s function, or once under
     SPMD); returns the history. Checkpoints go to ``config.out_dir`` if it is set."""
     device = torch_xla.device()
     world, rank, devices = _layout(config)
     _enable_cache(config.compile_cache, rank)
-    data = load_data(config) if data is None else data
-    train_loader, eval_loader = make_loaders(data, config, world, rank)
+    train_set, eval_set = _datasets(data, eval_data, config)
+    train_loader, eval_loader = make_loaders(train_set, eval_set, config, world, rank)
     torch.manual_seed(config.seed)
     model = model_fn().to(device)
     if world > 1:  # v2/v3 run replicas as threads sharing one RNG: start from rank 0's weights
         xm.broadcast_master_param(model)
-    optimizer = make_optimizer(config, model)
-    sharding = None
-    if config.spmd:  # the SPMD delta: shard the batch axis of x over a 1-D mesh of devices
-        mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
-        sharding = xs.ShardingSpec(mesh, ("data",) + (None,) * (data[0].ndim - 1))
-    run = start(config, _settings(config, world, devices, len(train_loader), len(data[0])),
-                model, optimizer)
-    is_master = xm.is_master_ordinal(local=False)
-
-    def log(step: int, totals: torch.Tensor) -> None:  # a step closure: after the step ran
-        loss_sum, correct, count = totals.tolist()  # the loop's one device-to-host read
-        run.history["log"].append({"step": step, "loss": loss_sum / count,
-                                   "acc": correct / count})
-        if config.progress and is_master:
-            print(f"[step {step}] loss {loss_sum / count:.4f} acc {correct / count:.3f}")
-
+    optimizer = optimizer_fn(model.parameters(), config)
+    scheduler = scheduler_fn(optimizer, config) if scheduler_fn else None
+    sharding = _batch_sharding(config, devices, train_set)
+    run = start(config, _settings(config, world, devices, len(train_loader), len(train_set)),
+                model, optimizer, scheduler)
     while run.epoch < config.epochs and run.step < run.last:
         train_loader.sampler.set_epoch(run.epoch)
         loader = pl.MpDeviceLoader(itertools.islice(train_loader, run.batch, None), device,
@@ -237,25 +295,27 @@ def fit(config: Config, data: Data | None = None,
         totals, started, compiles = run.totals.to(device), time.perf_counter(), _compiles()
         for x, y in loader:
             xm.set_rng_state(step_seed(config.seed, run.step + 1, rank))
-            totals = totals + train_step(model, optimizer, x, y)
-            run.step, run.batch = run.step + 1, run.batch + 1
-            if run.batch % config.log_every == 0:
-                xm.add_step_closure(log, args=(run.step, totals))
-            if config.progress and is_master:
-                print(f"step {run.step}/{run.last}", flush=True)
-            every = config.checkpoint_every and run.step % config.checkpoint_every == 0
-            if (every or run.step == run.last) and run.batch < len(train_loader):
-                run.save(model, optimizer, totals)  # mid-epoch (epoch ends save below)
+            totals = totals + train_step(model, optimizer, x, y, loss_fn)
+            run.after_step(model, optimizer, totals, len(train_loader))
             if run.step == run.last:
                 break
         torch_xla.sync()
         if run.batch < len(train_loader):
-            break  # stopped by max_steps inside the epoch (checkpointed above)
+            break  # stopped by max_steps inside the epoch (after_step checkpointed it)
         seconds = time.perf_counter() - started
         held_out = None if eval_loader is None else evaluate(
-            model, pl.MpDeviceLoader(eval_loader, device, input_sharding=sharding))
+            model, pl.MpDeviceLoader(eval_loader, device, input_sharding=sharding), loss_fn)
         run.end_epoch(model, optimizer, totals, held_out, seconds, _compiles() - compiles)
     return run.finish(model)
+
+
+def _batch_sharding(config: Config, devices: int, train_set: Dataset) -> Any:
+    """The SPMD delta: shard the batch axis over a 1-D mesh of devices (None: replicas)."""
+    if not config.spmd:
+        return None
+    mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
+    ndim = torch.as_tensor(train_set[0][0]).ndim + 1  # the batch axis, then a sample's
+    return xs.ShardingSpec(mesh, ("data",) + (None,) * (ndim - 1))
 
 
 def _layout(config: Config) -> tuple[int, int, int]:
@@ -265,17 +325,11 @@ def _layout(config: Config) -> tuple[int, int, int]:
                            "this process is in SPMD mode: pass config.spmd=True")
     world, rank, devices = ((1, 0, xr.global_runtime_device_count()) if config.spmd else
                             (xr.world_size(), xr.global_ordinal(), xr.world_size()))
-    for name in ("batch_size", "eval_batch_size"):
+    for name in ("global_batch", "eval_global_batch"):
         if getattr(config, name) % devices:
             raise ValueError(f"{name}={getattr(config, name)} does not split evenly over "
                              f"{devices} devices; use a multiple of {devices}")
     return world, rank, devices
-
-
-def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
 def _compiles() -> int:
@@ -292,12 +346,11 @@ def _enable_cache(folder: str, rank: int) -> None:
         warnings.warn(f"compile cache not enabled ({exc})", RuntimeWarning, stacklevel=2)
 
 
-
 def _settings(config: Config, world: int, devices: int, steps_per_epoch: int,
               train_samples: int) -> dict[str, Any]:
     """What a checkpoint's step counter means: the batch each step reads depends on these."""
     return {"mode": "spmd" if config.spmd else "launch", "world_size": world,
-            "devices": devices, "batch_size": config.batch_size, "seed": config.seed,
+            "devices": devices, "global_batch": config.global_batch, "seed": config.seed,
             "train_samples": train_samples, "steps_per_epoch": steps_per_epoch}
 
 
@@ -317,6 +370,9 @@ class Run:
     step: int = 0
     totals: torch.Tensor = field(default_factory=lambda: torch.zeros(3))
     ckpts: checkpoint.CheckpointDir | None = None
+    scheduler: Any = None  # the user's LR scheduler (its state is checkpointed), or None
+    from_step: int = 0
+    master: bool = field(default_factory=lambda: xm.is_master_ordinal(local=False))
 
     @property
     def last(self) -> int:
@@ -325,14 +381,40 @@ class Run:
             self.settings["steps_per_epoch"]
         return min(left, self.config.max_steps or left)
 
+    def after_step(self, model: nn.Module, optimizer: Any, totals: torch.Tensor,
+                   steps_per_epoch: int) -> None:
+        """Count the step, queue the log read, checkpoint if due, step a per-step schedule."""
+        self.step, self.batch = self.step + 1, self.batch + 1
+        c = self.config
+        if self.batch % c.log_every == 0:  # read after the step ran: no sync here
+            xm.add_step_closure(self._log, args=(self.step, totals, _lr(optimizer)))
+        if c.progress and self.master:
+            print(f"step {self.step}/{self.last}", flush=True)
+        if self.scheduler is not None and c.scheduler_step == "step":
+            self.scheduler.step()
+        every = c.checkpoint_every and self.step % c.checkpoint_every == 0
+        if (every or self.step == self.last) and self.batch < steps_per_epoch:
+            self.save(model, optimizer, totals)  # mid-epoch (epoch ends save in end_epoch)
+
+    def _log(self, step: int, totals: torch.Tensor, lr: float) -> None:
+        loss_sum, correct, count = totals.tolist()  # the loop's one device-to-host read
+        _check_finite(loss_sum / count, step, lr)
+        self.history["log"].append({"step": step, "loss": loss_sum / count,
+                                    "acc": correct / count})
+        if self.config.progress and self.master:
+            print(f"[step {step}] loss {loss_sum / count:.4f} acc {correct / count:.3f}")
+
     def save(self, model: nn.Module, optimizer: Any, totals: torch.Tensor,
              best: bool = False) -> None:
         """Checkpoint on every replica (capture syncs first: logging closures have run)."""
         if self.ckpts is None:
             return
+        extra = {"history": self.history, "settings": self.settings, "totals": totals}
+        if self.scheduler is not None:
+            extra["scheduler"] = self.scheduler.state_dict()
         state = checkpoint.capture_training_state(
             model, optimizer, epoch=self.epoch, batch_in_epoch=self.batch, step=self.step,
-            extra={"history": self.history, "settings": self.settings, "totals": totals})
+            extra=extra)
         self.ckpts.save(state, self.step)
         if best:
             self.ckpts.save_best(state)
@@ -340,23 +422,35 @@ class Run:
     def end_epoch(self, model: nn.Module, optimizer: Any, totals: torch.Tensor,
                   eval_totals: torch.Tensor | None, seconds: float, compiles: int) -> None:
         tr = totals.tolist()  # end of epoch: the two small reads
+        _check_finite(tr[0] / tr[2], self.step, _lr(optimizer))
         ev = eval_totals.tolist() if eval_totals is not None else [float("nan"), 0.0, 1.0]
         h = self.history
         row = {"epoch": self.epoch + 1, "steps": self.settings["steps_per_epoch"],
-               "step": self.step, "train_loss": tr[0] / tr[2], "train_acc": tr[1] / tr[2],
-               "eval_loss": ev[0] / ev[2], "eval_acc": ev[1] / ev[2], "eval_count": int(ev[2]),
+               "step": self.step, "lr": _lr(optimizer), "train_loss": tr[0] / tr[2],
+               "train_acc": tr[1] / tr[2], "eval_loss": ev[0] / ev[2],
+               "eval_acc": ev[1] / ev[2], "eval_count": int(ev[2]),
                "train_seconds": round(seconds, 3), "compiles": compiles}
         h["epochs"].append(row)
         best = h["best_eval_acc"] is None or row["eval_acc"] > h["best_eval_acc"]
         if best:  # from the reduced metric: the same decision on every replica
             h["best_eval_acc"], h["best_epoch"] = row["eval_acc"], self.epoch + 1
+        if self.scheduler is not None and self.config.scheduler_step == "epoch":
+            self.scheduler.step()  # before the checkpoint: a resume starts the next epoch
         self.epoch, self.batch, self.totals = self.epoch + 1, 0, torch.zeros(3)
         self.save(model, optimizer, torch.zeros(3), best=best)
 
     def finish(self, model: nn.Module) -> dict[str, Any]:
         self.history["total_steps"] = self.step
+        self.history["runs"][-1]["steps"] = self.step - self.from_step
         self.history["compile_cache"] = {n: int(met.counter_value(n) or 0) for n in
                                          met.counter_names() if n.startswith("PersistentCache")}
+        if self.step == self.from_step:  # e.g. train() called again with the same out_dir
+            self.history["note"] = (
+                f"0 steps run: resumed at step {self.step}, where epochs={self.config.epochs}"
+                f", max_steps={self.config.max_steps} stop; raise them, or start over "
+                "(resume=False / --no-resume, or another out_dir)")
+            if self.master:
+                print(self.history["note"], flush=True)
         if self.config.out_dir:
             out = Path(self.config.out_dir)
             written = checkpoint.save_checkpoint(out / "final.pt", {"model": model.state_dict(),
@@ -366,8 +460,19 @@ class Run:
         return self.history
 
 
-def start(config: Config, settings: dict[str, Any], model: nn.Module,
-          optimizer: Any) -> Run:
+def _lr(optimizer: Any) -> float:
+    """The learning rate of the first parameter group, as a float (host value: no sync)."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def _check_finite(loss: float, step: int, lr: float) -> None:
+    if not math.isfinite(loss):
+        raise TrainingDiverged(f"the training loss is {loss} at step {step} (learning rate "
+                               f"{lr:g}): lower the learning rate or check the data")
+
+
+def start(config: Config, settings: dict[str, Any], model: nn.Module, optimizer: Any,
+          scheduler: Any = None) -> Run:
     """A fresh :class:`Run`, or the one the newest checkpoint in ``out_dir`` continues."""
     history = {**settings, "epochs": [], "log": [], "best_eval_acc": None, "best_epoch": None,
                "resumed_from": [], "config": dataclasses.asdict(config),
@@ -376,26 +481,31 @@ def start(config: Config, settings: dict[str, Any], model: nn.Module,
                            storage=config.storage) if config.out_dir else None)
     ckpt, path = ckpts.load_latest() if ckpts and config.resume else (None, None)
     if ckpt is None:
-        return Run(config, settings, history, ckpts=ckpts)
-    run = resume_from(ckpt, path, config, settings, model, optimizer)
+        return Run(config, settings, history, ckpts=ckpts, scheduler=scheduler)
+    run = resume_from(ckpt, path, config, settings, model, optimizer, scheduler)
     run.ckpts = ckpts
     return run
 
 
 def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict[str, Any],
-                model: nn.Module, optimizer: Any) -> Run:
+                model: nn.Module, optimizer: Any, scheduler: Any = None) -> Run:
     """Restore ``ckpt``; other settings raise :class:`ResumeMismatch` unless
     ``config.resume_new_settings`` (then: its weights and optimizer, its next epoch)."""
     saved = ckpt.get("extra", {}).get("settings")
     changes = ([f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now"
                 for k, v in settings.items() if saved.get(k) != v]
                if isinstance(saved, dict) else ["no run settings stored"])
+    if (scheduler is None) != ("scheduler" not in ckpt.get("extra", {})):
+        changes.append(f"scheduler {'not ' * (scheduler is None)}given now, "
+                       f"{'none ' * (scheduler is not None)}in the checkpoint")
     if changes and not config.resume_new_settings:
         raise ResumeMismatch(
             f"{path}: written with other run settings ({'; '.join(changes)}): start over "
             "(--no-resume or another --out-dir) or keep its weights and optimizer and start "
             "a new epoch (--resume-new-settings, Config(resume_new_settings=True)).")
     where = checkpoint.restore_training_state(ckpt, model, optimizer, source=str(path))
+    if scheduler is not None and "scheduler" in where.extra:
+        scheduler.load_state_dict(where.extra["scheduler"])
     history = where.extra["history"]
     history["resumed_from"].append(path.name)
     history["config"] = dataclasses.asdict(config)
@@ -403,7 +513,7 @@ def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict
                             "settings": settings, "new_settings": bool(changes)})
     history.update(settings)
     run = Run(config, settings, history, where.epoch, where.batch_in_epoch, where.step,
-              where.extra["totals"])
+              where.extra["totals"], scheduler=scheduler, from_step=where.step)
     if changes and run.batch:  # new settings: a new epoch (its batches meant other rows)
         run.epoch, run.batch, run.totals = run.epoch + 1, 0, torch.zeros(3)
     return run
@@ -605,25 +715,30 @@ def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), *,
         shutil.rmtree(report_dir, ignore_errors=True)
 
 
-def _replica(rank: int, config: Config, data: Data | None, model_fn: Any) -> None:
-    fit(config, data, model_fn)
+def _replica(rank: int, config: Config, data: AnyData, model_fn: Any,
+             hooks: dict[str, Any]) -> None:
+    fit(config, data, model_fn, **hooks)
 
 
-def train(config: Config, data: Data | None = None,
-          model_fn: Callable[[], nn.Module] = Net) -> dict[str, Any]:
-    """Run :func:`fit` on every replica (or under SPMD); returns the history."""
+def train(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] = Net,
+          **hooks: Any) -> dict[str, Any]:
+    """Run :func:`fit` on every replica (or under SPMD); returns the history. ``hooks`` are
+    :func:`fit`'s keyword arguments (module-level functions: launch pickles them)."""
     out = Path(config.out_dir or tempfile.mkdtemp(prefix="tpu_helpers-run-"))
     config = dataclasses.replace(config, out_dir=str(out))
     if config.spmd:
         if not xr.is_spmd():
             xr.use_spmd()
-        return fit(config, data, model_fn)
-    launch(_replica, args=(config, data, model_fn), start_method=config.start_method)
+        return fit(config, data, model_fn, **hooks)
+    launch(_replica, args=(config, data, model_fn, hooks), start_method=config.start_method)
     if not (out / "history.json").is_file():
         raise FileNotFoundError(f"{out / 'history.json'} was not written on this host: with "
                                 "storage='shared' OUT_DIR must be a folder every host sees; "
                                 "for each host's own disk use storage='local'.")
-    return json.loads((out / "history.json").read_text())
+    history = json.loads((out / "history.json").read_text())
+    if "note" in history and history["runs"][-1].get("steps") == 0:
+        warnings.warn(history["note"], RuntimeWarning, stacklevel=2)
+    return history
 
 
 
