@@ -56,7 +56,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=notebooks --config=$(CURDIR)/jupyter_server_config.py $(ROOT_FLAG) $(LAB_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check tpu_helpers course tests notebooks benchmarks scripts
+	$(BIN)/ruff check tpu_helpers course tests notebooks benchmarks scripts examples
 	$(BIN)/python scripts/notebook_template.py --check notebooks
 
 # Lint once, then one pytest run (unit tests and every notebook) per torch_xla line, then every

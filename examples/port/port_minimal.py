@@ -95,9 +95,9 @@ def train(args, model, device, train_loader, optimizer, epoch):
         loss.backward()
         xm.optimizer_step(optimizer)
         if batch_idx % args.log_interval == 0:
-            xm.add_step_closure(lambda i, loss: print(
-                f"Train Epoch: {epoch} [{i * len(data)}/{len(train_loader.dataset)}]"
-                f"\tLoss: {loss.item():.6f}"), args=(batch_idx, loss))
+            xm.add_step_closure(lambda i, n, loss: print(
+                f"Train Epoch: {epoch} [{i * n}/{len(train_loader.dataset)}]"
+                f"\tLoss: {loss.item():.6f}"), args=(batch_idx, len(data), loss))
 
 
 def test(model, device, test_loader):
