@@ -217,3 +217,32 @@ def test_tensors_made_under_the_lane_are_the_usual_ones_and_fsdpv2_shards_them(t
     assert off == {"functional": [True] * 3, "fsdp_weight": "{devices=[4,1]0,1,2,3}"}, off
     assert on == off
 
+
+RECOMPILE = """
+import json, os
+os.environ["CPU_NUM_DEVICES"] = "4"
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+
+xr.use_spmd()
+dev, mesh = torch_xla.device(), xs.Mesh(np.arange(4), (4,), ("data",))
+w = torch.randn(64, 10).to(dev)  # unannotated: replicated by torch_xla after the first run
+for _ in range(3):
+    x = torch.randn(128, 64).to(dev)
+    xs.mark_sharding(x, mesh, ("data", None))
+    out = x @ w
+    xs.mark_sharding(out, mesh, ("data", None))
+    torch_xla.sync()
+print(json.dumps({"compiles": met.metric_data("CompileTime")[0],
+                  "w": torch_xla._XLAC._get_xla_sharding_spec(w)}))
+"""
+
+
+def test_the_rounding_adds_no_recompile_under_spmd(tmp_path):
+    """After the first run torch_xla marks an unannotated input ``{replicated}``, and a cast of
+    it inherits that annotation: rounding casts would make step 2's graph differ from step 1's
+    (a second compile a TPU, which rounds inside the dot, does not have)."""
+    off = last_json(emulated(RECOMPILE, tmp_path, on=False))
+    assert off == {"compiles": 1, "w": "{replicated}"}, off
+    assert last_json(emulated(RECOMPILE, tmp_path)) == off

@@ -58,13 +58,26 @@ def _eligible(t) -> bool:
             and t.device.type == "xla")
 
 
+def _unannotated(t: torch.Tensor) -> torch.Tensor:
+    """Drop the SPMD sharding annotation torch_xla copies onto a cast from its input.
+
+    A TPU rounds inside the dot: no convert op, nothing to annotate. Here the casts inherit
+    their input's annotation, and torch_xla marks an unannotated input ``{replicated}`` after
+    the first run, so step 2's graph would differ from step 1's: one extra compile that a TPU
+    does not have. Unannotated, the partitioner propagates the input's sharding as before."""
+    from torch_xla import _XLAC  # (this module is imported by processes without torch_xla)
+    if _XLAC._get_xla_sharding_spec(t):
+        _XLAC._xla_clear_sharding(t)
+    return t
+
+
 def _bf16(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.bfloat16).to(torch.float32)
+    return _unannotated(_unannotated(t.to(torch.bfloat16)).to(torch.float32))
 
 
 def _split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     high = _bf16(t)
-    return high, _bf16(t - high)
+    return high, _bf16(_unannotated(t - high))
 
 
 def _positions(func) -> tuple[int, ...]:
