@@ -145,17 +145,19 @@ _FUNCTIONALIZE = torch._C.DispatchKey.Functionalize
 
 
 def _as_without_the_mode(func, args, kwargs):
-    """Run an op that no XLA tensor flows into (a factory such as ``zeros(device=xla)``, a
-    CPU->XLA copy, a CPU op) as if no mode were active. The dispatcher hands such ops to the mode
-    BEFORE functionalization and runs ``__torch_dispatch__`` with the Functionalize key
-    excluded; torch_xla then returns a bare XLA tensor (no ``FunctionalTensorWrapper``, the
-    "lifted later" case of ``AtenFromXlaTensor``) that nothing lifts. Such tensors are not what
-    a TPU run has: ``param.data = ...`` (``module.to('xla')`` in FSDPv2) re-uploads them through
-    the host as replicated, dropping their sharding. Ops on XLA tensors reach the mode already
-    unwrapped by functionalization, which re-wraps their results: they keep the exclusion."""
-    if any(isinstance(a, torch.Tensor) and a.device.type == "xla"
-           for a in tree_leaves((args, kwargs))):
-        return func(*args, **kwargs)
+    """Run an op that makes an XLA tensor from no XLA tensor (a factory such as
+    ``zeros(device=xla)``, a CPU->XLA copy) as if no mode were active. The dispatcher hands
+    such ops to the mode BEFORE functionalization and runs ``__torch_dispatch__`` with the
+    Functionalize key excluded; torch_xla then returns a bare XLA tensor (no
+    ``FunctionalTensorWrapper``: the "lifted later" case of ``AtenFromXlaTensor``) that nothing
+    lifts. Such tensors are not what a TPU run has: ``param.data = ...`` (``module.to('xla')``
+    in FSDPv2) re-uploads them through the host as replicated, dropping their sharding. Ops on
+    XLA tensors reach the mode already unwrapped by functionalization, which re-wraps their
+    results: they keep the exclusion."""
+    leaves = tree_leaves((args, kwargs))
+    if (any(isinstance(a, torch.Tensor) and a.device.type == "xla" for a in leaves)
+            or not any(isinstance(a, torch.device) and a.type == "xla" for a in leaves)):
+        return func(*args, **kwargs)  # on XLA tensors (see above), or not about XLA at all
     excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(_FUNCTIONALIZE)
     torch._C._dispatch_tls_set_dispatch_key_excluded(_FUNCTIONALIZE, False)
     try:
