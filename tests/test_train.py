@@ -265,15 +265,17 @@ def test_launch_refuses_what_it_cannot_pickle_before_starting_anything():
 @pytest.mark.parametrize("n", [1437, 1471, 2048])  # the digits; 23 x 64 - 1; fake data
 def test_training_loaders_run_the_same_steps_on_the_same_samples_for_any_world_size(n):
     """A GLOBAL batch is not enough: 1, 2 and 8 replicas must also run the same number of
-    optimizer steps, each on batch_size distinct samples (DistributedSampler pads by repeating
+    optimizer steps, each on global_batch distinct samples (DistributedSampler pads by repeating
     samples, which can add a step: 1471 samples gave 23 steps on 8 replicas, 22 on 1)."""
+    from torch.utils.data import TensorDataset
+
     from tpu_helpers.train import make_loaders
 
-    x = np.arange(n, dtype=np.float32).reshape(n, 1, 1, 1)  # each sample carries its index
-    config = Config(batch_size=64)
+    x = torch.arange(n, dtype=torch.float32).reshape(n, 1, 1, 1)  # each sample: its index
+    train_set = TensorDataset(x, torch.zeros(n, dtype=torch.int64))
+    config = Config(global_batch=64)
     for world in (1, 2, 8):
-        loaders = [make_loaders((x, np.zeros(n, np.int64), None, None), config, world, r)[0]
-                   for r in range(world)]
+        loaders = [make_loaders(train_set, None, config, world, r)[0] for r in range(world)]
         assert [len(loader) for loader in loaders] == [n // 64] * world, world
         steps = list(zip(*loaders, strict=True))  # one step: every replica's batch
         assert len(steps) == n // 64
