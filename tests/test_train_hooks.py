@@ -55,6 +55,13 @@ if mode == "schedule":
         again = run(out + "/split", epochs=3)  # nothing left to do
     result = {"whole": whole, "split": split, "again": again,
               "warned": [str(w.message) for w in seen]}
+elif mode == "per_step":  # scheduler.step() after every optimizer step, resumed mid-epoch
+    def step_lr(optimizer, config):
+        return StepLR(optimizer, step_size=5, gamma=0.8)
+    whole = run(out + "/whole", epochs=2, scheduler_step="step")
+    run(out + "/split", epochs=2, scheduler_step="step", max_steps=13)
+    split = run(out + "/split", epochs=2, scheduler_step="step")
+    result = {"whole": whole, "split": split}
 elif mode == "diverge":
     try:
         run(out, epochs=1, lr=1e30)
@@ -95,6 +102,24 @@ def test_schedule_resumes_bit_for_bit_compiles_once_and_a_finished_run_says_so(t
     assert again["note"].startswith("0 steps run: resumed at step 33, where epochs=3")
     assert again["note"] in proc.stdout and again["note"] in out["warned"]
     assert "note" not in whole and whole["runs"][-1]["steps"] == 33
+
+
+@pytest.mark.slow
+def test_a_per_step_schedule_resumes_mid_epoch_bit_for_bit_without_compiling(tmp_path):
+    import torch
+
+    from tpu_helpers.checkpoint import load_checkpoint
+
+    out = _result(run_script(tmp_path, "hooks.py", SCRIPT, "per_step", str(tmp_path),
+                             timeout=600))
+    whole, split = out["whole"], out["split"]
+    # 11 steps an epoch, StepLR(step_size=5) stepped per step: 0.9 * 0.8 ** (steps // 5)
+    assert [r["lr"] for r in whole["epochs"]] == pytest.approx([0.9 * 0.8**2, 0.9 * 0.8**4])
+    assert [r["lr"] for r in split["epochs"]] == [r["lr"] for r in whole["epochs"]]
+    assert split["log"] == whole["log"]
+    assert [r["compiles"] for r in whole["epochs"][1:]] == [0], whole["epochs"]
+    a, b = (load_checkpoint(tmp_path / d / "final.pt")["model"] for d in ("whole", "split"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_diverging_loss_stops_the_run_naming_the_step_and_learning_rate(tmp_path):
