@@ -6,14 +6,15 @@
 Every row trains ``course.models.DigitsCNN`` on the shipped digits (train split,
 1,437 images) with batch 64 for the same number of epochs:
 
-  (a) seed 002's loop as written: ``ParallelLoader``, Adam, ``loss.item()`` every 10 steps,
-      no ``drop_last``. Only names that were removed are replaced (``xm.xla_device`` ->
+  (a) the loop of the Q&A article "How can I train a PyTorch model on a TPU using a custom dataset?"
+      (the custom-dataset article) as written: ``ParallelLoader``, Adam, ``loss.item()`` every 10
+      steps, no ``drop_last``. Only names that were removed are replaced (``xm.xla_device`` ->
       ``torch_xla.device()``, removed ``xm.xrt_world_size`` -> ``xr.world_size()``, ``nprocs=8`` ->
-      default) plus the one change without which it does not run at all: a
-      ``ParallelLoader`` is not iterable (``TypeError``), so the loop iterates
-      ``para_loader.per_device_loader(device)``. As written, the one ``ParallelLoader`` is
-      created before the epoch loop and is exhausted after the first epoch, so the loop
-      trains ONE epoch whatever ``num_epochs`` says (the "steps run" column shows it).
+      default) plus the one change without which it does not run at all: a ``ParallelLoader`` is not
+      iterable (``TypeError``), so the loop iterates ``para_loader.per_device_loader(device)``. As
+      written, the one ``ParallelLoader`` is created before the epoch loop and is exhausted after
+      the first epoch, so the loop trains ONE epoch whatever ``num_epochs`` says (the "steps run"
+      column shows it).
   (b) the canonical upstream pattern (pytorch/xla ``test/test_train_mp_mnist.py``):
       ``MpDeviceLoader``, SGD with momentum, ``xm.optimizer_step``, ``xm.RateTracker`` and
       ``xm.add_step_closure`` logging every 20 steps, upstream's flag defaults
@@ -79,7 +80,7 @@ LOG_EVERY = 20
 WARMUP_STEPS = 2
 
 ROWS = {
-    "a": "(a) seed 002 loop as written (Adam)",
+    "a": "(a) the custom-dataset article's loop as written (Adam)",
     "b": "(b) upstream test_train_mp_mnist pattern (SGD)",
     "c": "(c) Lightning Trainer on XLA (AdamW)",
     "d": "(d) ours: tpu_helpers.train (AdamW)",
@@ -144,11 +145,11 @@ class _Window:
 BENCH = _Window()
 
 
-# --------------------------------------------------------------------------- (a) seed 002
+# ------------------------------------------------------------ (a) the custom-dataset article
 
 
-def seed_article_row(epochs: int, images, labels) -> None:
-    """Seed 002's second listing, as written; changes are marked ``# seed:``."""
+def article_row(epochs: int, images, labels) -> None:
+    """The custom-dataset article's second listing, as written; changes: ``# article:``."""
     import torch
     import torch.nn as nn
     import torch.optim as optim
@@ -172,23 +173,23 @@ def seed_article_row(epochs: int, images, labels) -> None:
             return (torch.tensor(self.data[idx], dtype=torch.float32),
                     torch.tensor(self.targets[idx], dtype=torch.long))
 
-    dataset = CustomDataset(images, labels)  # seed: the dummy lists / image files
+    dataset = CustomDataset(images, labels)  # article: the dummy lists / image files
 
     def train_loop(index, flags):
-        device = torch_xla.device()  # seed: xm.xla_device() (deprecated)
-        model = DigitsCNN().to(device)  # seed: SimpleModel / ConvModel
+        device = torch_xla.device()  # article: xm.xla_device() (deprecated)
+        model = DigitsCNN().to(device)  # article: SimpleModel / ConvModel
         optimizer = optim.Adam(model.parameters(), lr=0.01)
         criterion = nn.CrossEntropyLoss()
 
-        # seed: xm.xrt_world_size() (removed in 2.7)
+        # article: xm.xrt_world_size() (removed in 2.7)
         data_loader = DataLoader(dataset, batch_size=flags['batch_size'] // xr.world_size(),
                                  shuffle=True)
         para_loader = pl.ParallelLoader(data_loader, [device])
 
-        num_epochs = flags['num_epochs']  # seed: 5
+        num_epochs = flags['num_epochs']  # article: 5
         BENCH.start()
         for epoch in range(num_epochs):
-            # seed: enumerate(para_loader) -> TypeError: 'ParallelLoader' object is not iterable
+            # article: enumerate(para_loader) -> TypeError: 'ParallelLoader' object is not iterable
             for batch_idx, (data, target) in enumerate(para_loader.per_device_loader(device)):
                 optimizer.zero_grad()
                 output = model(data)
@@ -202,9 +203,9 @@ def seed_article_row(epochs: int, images, labels) -> None:
         BENCH.stop()
 
     FLAGS = {}
-    FLAGS['batch_size'] = BATCH_SIZE  # seed: 8 (a per-core batch of 1 on 8 cores)
+    FLAGS['batch_size'] = BATCH_SIZE  # article: 8 (a per-core batch of 1 on 8 cores)
     FLAGS['num_epochs'] = epochs
-    # seed: xmp.spawn(train_loop, args=(FLAGS,), nprocs=8, start_method='fork'); nprocs may
+    # article: xmp.spawn(train_loop, args=(FLAGS,), nprocs=8, start_method='fork'); nprocs may
     # only be 1 or None, and on this machine the spawn runs one process: we call its function.
     train_loop(0, FLAGS)
 
@@ -368,7 +369,7 @@ def ceiling_row(epochs: int, images, labels, sgd: bool = False) -> None:
     BENCH.stop()
 
 
-ROW_FUNCTIONS = {"a": seed_article_row, "b": upstream_row, "c": lightning_row,
+ROW_FUNCTIONS = {"a": article_row, "b": upstream_row, "c": lightning_row,
                  "d": ours_row, "e": ceiling_row,
                  "d_sgd": functools.partial(ours_row, sgd=True),
                  "e_sgd": functools.partial(ceiling_row, sgd=True)}

@@ -124,7 +124,7 @@ def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
     return result
 
 
-ROW_SHORT = {"a": "(a) seed loop", "b": "(b) upstream pattern (SGD)", "c": "(c) Lightning",
+ROW_SHORT = {"a": "(a) article's loop", "b": "(b) upstream pattern (SGD)", "c": "(c) Lightning",
              "d": "(d) ours", "e": "(e) ceiling", "d_sgd": "(d') ours with SGD",
              "e_sgd": "(e') ceiling with SGD"}
 

@@ -227,12 +227,12 @@ def _check_listed_once(table: pd.DataFrame, path: Path) -> None:
 class ImageFolderDataset(Dataset):
     """Images named by a ``file,label,split`` CSV, decoded with PIL into fixed-size tensors.
 
-    The seed article's ``CustomImageDataset`` done right: every file is decoded and
-    checked once on construction (``verify=True``), so a missing, corrupt, truncated,
-    wrong-size or wrong-mode file, or a label out of range, is a :class:`DataError`
-    naming the file before any training starts, not a crash in a DataLoader worker
-    mid-epoch or a recompile from an odd shape. Items are ``(x, y)`` with ``x`` float32
-    ``[C, H, W]`` normalised as ``(pixel / 255 - mean) / std`` and ``y`` an int64 scalar.
+    The ``CustomImageDataset`` of the article "How can I train a PyTorch model on a TPU using a
+    custom dataset?" done right: every file is decoded and checked once on construction
+    (``verify=True``), so a missing, corrupt, truncated, wrong-size or wrong-mode file, or a label
+    out of range, is a :class:`DataError` naming the file before any training starts, not a crash in
+    a DataLoader worker mid-epoch or a recompile from an odd shape. Items are ``(x, y)`` with ``x``
+    float32 ``[C, H, W]`` normalised as ``(pixel / 255 - mean) / std`` and ``y`` an int64 scalar.
     """
 
     def __init__(self, root: str | Path, split: str | None = None, *,

@@ -1,6 +1,7 @@
 """MpDeviceLoader facts and StrictDeviceLoader, on a real XLA:CPU device (one device).
 
-* pl.MpDeviceLoader does not change the batch size and does not shard (seed 002's myth).
+* pl.MpDeviceLoader does not change the batch size and does not shard (a myth of the
+  custom-dataset article).
 * In torch_xla 2.9 an exception in the host loader silently ENDS the epoch early under
   MpDeviceLoader; StrictDeviceLoader raises it instead.
 """
@@ -43,7 +44,7 @@ class FailsAt(Dataset):
 def test_mp_device_loader_keeps_batch_size_and_does_not_shard(device):
     import torch_xla.distributed.parallel_loader as pl
 
-    loader = DataLoader(FailsAt(None), batch_size=1)  # seed 002: "adjusted later": no
+    loader = DataLoader(FailsAt(None), batch_size=1)  # the article: "adjusted later": no
     shapes, seen = set(), []
     for x, y in pl.MpDeviceLoader(loader, device):
         shapes.add(tuple(x.shape))

@@ -23,7 +23,7 @@ batches = st.integers(1, 64)
 
 @settings(max_examples=400, deadline=None)
 @given(n=sizes, world_size=worlds, batch_size=batches)
-@example(n=6, world_size=8, batch_size=1)  # the seed article's 6 samples on 8 cores
+@example(n=6, world_size=8, batch_size=1)  # the custom-dataset article's 6 samples on 8 cores
 @example(n=1, world_size=8, batch_size=64)
 @example(n=500, world_size=8, batch_size=64)
 def test_eval_shard_indices_exactly_once(n, world_size, batch_size):

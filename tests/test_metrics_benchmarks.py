@@ -68,7 +68,7 @@ def test_ours_row_compiles_nothing_after_warmup_and_reads_only_to_log():
 
 
 @pytest.mark.slow
-def test_seed_article_loop_trains_one_epoch_and_cuts_graphs():
+def test_article_loop_trains_one_epoch_and_cuts_graphs():
     result = bench_training.measure_row("a", epochs=2, repeats=1)
     [warm] = result["warm"]
     assert warm["steps"] == -(-1437 // 64)  # 23: the exhausted ParallelLoader, epoch 2 empty

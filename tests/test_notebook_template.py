@@ -314,6 +314,45 @@ def test_readme_course_table_is_generated_from_the_notebooks():
         "run `python scripts/notebook_template.py --readme README.md`")
 
 
+# ------------------------------------------ the articles the course corrects, named by title
+
+#: Internal names for the corrected articles ("seed 002", "the seed loop", ...): a learner cannot
+#: tell what they mean, and "seed" is the RNG seed in the same cells. Name the article instead.
+INTERNAL_ARTICLE_NAME = re.compile(
+    r"seed[ _-]articles?|seed 00[0-3]|seeds 000|seed loop|shared/seeds|seed's|the seeds|"
+    r"seed-style|seed_style|seed_loop|seed[ _-]?00|#\s*seed:|as in the seed\b", re.IGNORECASE)
+ARTICLE_TITLES = ("How can prediction results be gathered on a TPU using PyTorch?",
+                  "How does PyTorch Lightning handle data parallelism on TPUs",
+                  "How can I train a PyTorch model on a TPU using a custom dataset?",
+                  "TPU training (Basic)")
+
+
+def _learner_facing_files() -> list[Path]:
+    files = [REPO / "README.md", REPO / "notebooks" / "README.md", *NOTEBOOKS]
+    for folder in ("course", "tpu_helpers", "benchmarks", "scripts"):
+        files += [f for f in sorted((REPO / folder).rglob("*"))
+                  if f.is_file() and "__pycache__" not in f.parts]
+    return files
+
+
+def test_articles_are_named_by_title_never_by_an_internal_name():
+    found = []
+    for path in _learner_facing_files():
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        for n, line in enumerate(text.splitlines(), 1):
+            found += [f"{path.relative_to(REPO)}:{n}: {m.group(0)!r}"
+                      for m in INTERNAL_ARTICLE_NAME.finditer(line)]
+    assert not found, "name the article by its title (see the README), not:\n" + "\n".join(found)
+
+
+def test_readme_names_the_four_articles_the_course_corrects():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### The articles this course corrects", 1)
+    assert len(section) == 2, "README lacks the section 'The articles this course corrects'"
+    missing = [title for title in ARTICLE_TITLES if f'"{title}"' not in section[1]]
+    assert not missing, f"README does not name: {missing}"
+
+
 # --------------------------------------------- the setup cell when tpu_helpers must be fetched
 
 
