@@ -185,8 +185,8 @@ def test_crafted_rank_and_merge_files_are_refused_without_running_code(tmp_path)
     assert not marker.exists()
 
 
-SCRIPT = """
-import sys
+PREAMBLE = """
+import json, sys
 import numpy as np
 import torch
 import lightning as L
@@ -201,6 +201,9 @@ class Linear(L.LightningModule):
 
     def predict_step(self, batch, batch_idx):
         return self.lin(batch[0])
+"""  # the imports and the model of both real-process scripts below
+
+SCRIPT = PREAMBLE + """
 
 
 if __name__ == "__main__":
@@ -258,23 +261,8 @@ def test_a_rank_without_rows_merges(tmp_path, empty_rank):
     np.testing.assert_array_equal(merged.values, expected(2))
 
 
-FEWER = """
-import json, sys
-import numpy as np
-import torch
-import lightning as L
+FEWER = PREAMBLE + """
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader, TensorDataset
-from tpu_helpers.tpu_lightning import ExactlyOncePredictionWriter
-
-
-class Linear(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(3, 4)
-
-    def predict_step(self, batch, batch_idx):
-        return self.lin(batch[0])
 
 
 def trainer(writer):  # forks its 8 ranks like XLAStrategy on a v5e-8
