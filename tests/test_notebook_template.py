@@ -289,6 +289,31 @@ def test_a_notebook_over_its_budget_fails_the_test_run(tmp_path):
     assert re.search(r"00_slow.ipynb ran \d+ s, over its 1 s budget", plain), plain[-3000:]
 
 
+@pytest.mark.slow
+def test_a_notebook_with_unexplained_stderr_fails_the_test_run(tmp_path):
+    """Noise a learner would see (a banner, a warning) fails the notebook and is named, with
+    its cell; the executed copy is kept when TPU_NB_EXECUTED names a folder."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print('fine')"),
+                nbformat.v4.new_code_cell(
+                    "import sys\nprint('GPU available: False, used: False', file=sys.stderr)")]
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python",
+                                 "name": "python3"}
+    nbformat.write(nb, tmp_path / "00_noisy.ipynb")
+    env = {k: v for k, v in os.environ.items() if k != "TPU_NB_BUDGET"}
+    env.update(PYTHONPATH=str(REPO), TPU_NB_EXECUTED=str(tmp_path / "executed"))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "00_noisy.ipynb", "--nbmake",
+                           "-p", "scripts.notebook_budget", "-p", "no:cacheprovider", "-q"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)
+    assert proc.returncode == 1, plain[-2000:]
+    assert "00_noisy.ipynb shows 1 stderr line(s)" in plain, plain[-3000:]
+    assert "cell 1: GPU available: False" in plain, plain[-3000:]
+    assert (tmp_path / "executed" / "00_noisy.ipynb").exists()
+
+
 def test_course_table_renders_each_notebook(good):
     other = good.parent / "01_other.ipynb"
     shutil.copy(good, other)

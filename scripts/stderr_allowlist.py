@@ -1,0 +1,21 @@
+"""The stderr lines a notebook may show a learner, each with the reason it stays.
+
+``scripts/notebook_budget.py`` (the notebooks' pytest plugin) fails a notebook whose executed
+output has a non-blank stderr line that matches none of these patterns. Anything else is noise:
+silence it at its source (a logger level, a library option, a ``warnings`` filter scoped to the
+call) or explain it once in the notebook and add it here with the reason."""
+
+from __future__ import annotations
+
+import re
+
+# (regular expression matched against one stderr line, why a learner may see it)
+ALLOWED: list[tuple[str, str]] = [
+]
+
+_COMPILED = [(re.compile(p), why) for p, why in ALLOWED]
+
+
+def unexplained(lines: list[str]) -> list[str]:
+    """The non-blank lines of ``lines`` that no allow-list pattern explains."""
+    return [ln for ln in lines if ln.strip() and not any(p.search(ln) for p, _ in _COMPILED)]
