@@ -89,20 +89,43 @@ def test_train_loader_fixed_shapes_sharding_and_set_epoch():
         assert list(loader.sampler) != first  # a new shuffle each epoch
         loader.sampler.set_epoch(0)
         seen += first
-    # the sampler gives ceil(1437/4) = 360 per replica: 3 repeats, every index present
-    assert len(seen) == 1440 and set(seen) == set(range(1437))
+    # the sampler gives 1437 // 4 = 359 per replica: the ragged tail of 1 is dropped, no repeats
+    assert len(seen) == len(set(seen)) == 1436 and set(seen) <= set(range(1437))
+
+
+def test_train_loader_drops_the_ragged_tail_instead_of_repeating():
+    """10 samples on 4 replicas: 2 each, 8 distinct samples, 2 steps (a padding sampler would
+    deal 3 each, repeating 2 samples, and add a third step)."""
+    ds = D.ArrayDataset(np.arange(10, dtype=np.float32)[:, None], np.arange(10) % 2)
+    shards = [list(D.make_train_loader(ds, 1, world_size=4, rank=r, seed=0).sampler)
+              for r in range(4)]
+    visits = [i for s in shards for i in s]
+    assert [len(s) for s in shards] == [2] * 4 and len(set(visits)) == len(visits) == 8
+    assert D.train_steps_per_epoch(10, 1, 4) == 2
+    assert [len(D.make_train_loader(ds, 1, world_size=4, rank=r)) for r in range(4)] == [2] * 4
+    with pytest.raises(D.DataError, match="3 samples over 4 replica.*use more data"):
+        D.make_train_loader(D.ArrayDataset(np.zeros((3, 1), np.float32), [0, 1, 0]), 1,
+                            world_size=4, rank=0)
+
+
+def test_replica_batch_size_divides_the_global_batch():
+    assert D.replica_batch_size(64, 8) == 8 and D.replica_batch_size(64, 1) == 64
+    with pytest.raises(D.DataError, match="global batch 64 does not divide over 3 replicas"):
+        D.replica_batch_size(64, 3)
 
 
 def test_train_loader_is_the_loader_a_user_writes():
-    """make_train_loader == DataLoader(ds, batch, sampler=DistributedSampler(...),
-    drop_last=True): the same batches for every rank and epoch (notebook 01 shows it)."""
+    """make_train_loader == DataLoader(ds, batch, sampler=DistributedSampler(...,
+    drop_last=True), drop_last=True): the same batches for every rank and epoch (notebook 01
+    writes that loader as replica_train_loader, which make_train_loader calls)."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     x, y = DS.load_digits("test")
     ds = D.ArrayDataset(x, y, 10)
     for world_size in (1, 3):
         for rank in range(world_size):
-            sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, seed=5)
+            sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, seed=5,
+                                         drop_last=True)
             mine = DataLoader(ds, batch_size=16, sampler=sampler, drop_last=True)
             toolkit = D.make_train_loader(ds, 16, world_size=world_size, rank=rank, seed=5)
             for epoch in (0, 2):

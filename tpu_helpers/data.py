@@ -5,14 +5,14 @@ Taught in ``notebooks/01_dataset_setup.ipynb`` (written there by hand first) and
 it needs torch and numpy; importing it imports no torch_xla (only omitted ``world_size``/``rank``
 ask the runtime). :class:`ArrayDataset` holds checked numpy fields (forked workers share the
 pages); :func:`make_train_loader` gives each replica as many full batches of ``per_replica_batch``
-(the global batch, one optimizer step over all replicas, is ``per_replica_batch * world_size``);
+of distinct samples (the ragged tail is dropped, never repeated; the global batch, one optimizer
+step over all replicas, is ``per_replica_batch * world_size``: :func:`replica_batch_size`);
 :func:`make_eval_loader` pads the last batches with masked rows (index ``-1``) so each index is
 scored once. Every check raises :class:`DataError` naming the row or dataset index.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -133,41 +133,63 @@ def _check_batch(n: int, per_replica_batch: int) -> None:
 
 def train_steps_per_epoch(n: int, per_replica_batch: int, world_size: int) -> int:
     """Full batches each replica runs per epoch under :func:`make_train_loader`."""
-    return math.ceil(n / world_size) // per_replica_batch
+    return n // world_size // per_replica_batch
+
+
+def replica_batch_size(global_batch, world_size):
+    """One optimizer step takes ``global_batch`` rows over all replicas; each loads its share."""
+    if global_batch % world_size:
+        raise DataError(f"global batch {global_batch} does not divide over {world_size} "
+                        "replicas: make it a multiple of the world size.")
+    return global_batch // world_size
+
+
+def replica_train_loader(dataset, batch_size, world_size, rank, seed=0, **loader_args):
+    """This replica's shard of a shuffled order in full batches of ``batch_size`` rows: the
+    sampler drops the ragged tail instead of repeating samples, the loader any partial batch,
+    so every replica runs the same steps at one shape. ``sampler.set_epoch(e)`` reshuffles."""
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=seed, drop_last=True)  # no repeated samples
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                      **loader_args)
 
 
 def make_train_loader(dataset: Dataset, per_replica_batch: int, *,
                       world_size: int | None = None,
                       rank: int | None = None, seed: int = 0,
                       num_workers: int = 0) -> DataLoader:
-    """``DataLoader(dataset, batch_size, sampler=DistributedSampler(...), drop_last=True)``
-    with a collate naming an odd item's dataset index (the global batch is
+    """:func:`replica_train_loader` (taught in notebook 01) with checked arguments and a
+    collate naming an odd item's dataset index (the global batch is
     ``per_replica_batch * world_size``); call ``loader.sampler.set_epoch(epoch)`` every
-    epoch. :class:`DataError` if no full batch."""
+    epoch. :class:`DataError` if a replica gets no full batch."""
     ws, rk = _replica(world_size, rank)
     n = len(dataset)
     _check_batch(n, per_replica_batch)
-    per_replica = math.ceil(n / ws)
+    per_replica = n // ws
     if per_replica < per_replica_batch:
         raise DataError(f"training set too small: {n} samples over {ws} replica(s) gives "
                         f"each {per_replica}, fewer than one batch of {per_replica_batch}; "
-                        f"use per_replica_batch <= {per_replica}, more data, or fewer "
-                        "replicas.")
-    sampler = DistributedSampler(dataset, num_replicas=ws, rank=rk, shuffle=True, seed=seed)
-    return DataLoader(_IndexedItems(dataset), batch_size=per_replica_batch, sampler=sampler,
-                      drop_last=True, num_workers=num_workers, collate_fn=_collate_train)
+                        + (f"use per_replica_batch <= {per_replica}, more data, or fewer "
+                           "replicas." if per_replica else "use more data or fewer replicas."))
+    return replica_train_loader(_IndexedItems(dataset), per_replica_batch, ws, rk, seed=seed,
+                                num_workers=num_workers, collate_fn=_collate_train)
+
+
+def replica_eval_indices(n, batch_size, world_size, rank):
+    """The indices ``0..n-1`` padded with ``-1`` to whole steps, dealt round-robin."""
+    per_step = batch_size * world_size                   # rows one step takes from all replicas
+    padded = list(range(n)) + [-1] * (-n % per_step)    # pad to whole steps with -1
+    return padded[rank::world_size]                      # dealt like DistributedSampler
 
 
 def eval_shard_indices(n: int, per_replica_batch: int, world_size: int,
                        rank: int) -> np.ndarray:
-    """The dataset indices replica ``rank`` evaluates, dealt round-robin; ``-1`` pads every
-    replica to as many full batches (each index on one replica, once). Pure."""
+    """The dataset indices replica ``rank`` evaluates (:func:`replica_eval_indices`, checked):
+    ``-1`` pads every replica to as many full batches (each index on one replica, once). Pure."""
     _check_batch(n, per_replica_batch)
     _replica(world_size, rank)
-    steps = math.ceil(n / (per_replica_batch * world_size))
-    padded = np.full(steps * per_replica_batch * world_size, -1, dtype=np.int64)
-    padded[:n] = np.arange(n, dtype=np.int64)
-    return padded[rank::world_size].copy()
+    return np.asarray(replica_eval_indices(n, per_replica_batch, world_size, rank),
+                      dtype=np.int64)
 
 
 class PaddedEvalDataset(Dataset):
@@ -190,17 +212,23 @@ class PaddedEvalDataset(Dataset):
         return x, y, torch.tensor(index, dtype=torch.int64), torch.tensor(True)
 
 
+def replica_eval_loader(dataset, batch_size, world_size, rank, **loader_args):
+    """Batches of ``(x, y, index, mask)``; padding rows are ``(zeros, zeros, -1, False)``."""
+    return DataLoader(PaddedEvalDataset(dataset), batch_size=batch_size,
+                      sampler=replica_eval_indices(len(dataset), batch_size, world_size, rank),
+                      **loader_args)
+
+
 def make_eval_loader(dataset: Dataset, per_replica_batch: int, *,
                      world_size: int | None = None, rank: int | None = None,
                      num_workers: int = 0) -> DataLoader:
-    """Batches of ``per_replica_batch`` ``(x, y, index, mask)`` rows, all full, as many on
-    every replica; each dataset index is in one unmasked row (:func:`eval_shard_indices`).
-    Reduce with the mask."""
+    """:func:`replica_eval_loader` (taught in notebook 01), checked: batches of
+    ``per_replica_batch`` ``(x, y, index, mask)`` rows, all full, as many on every replica;
+    each dataset index is in one unmasked row. Reduce with the mask."""
     ws, rk = _replica(world_size, rank)
-    indices = eval_shard_indices(len(dataset), per_replica_batch, ws, rk)
-    return DataLoader(PaddedEvalDataset(dataset), batch_size=per_replica_batch,
-                      sampler=indices.tolist(), shuffle=False, drop_last=False,
-                      num_workers=num_workers, collate_fn=_collate_eval)
+    _check_batch(len(dataset), per_replica_batch)
+    return replica_eval_loader(dataset, per_replica_batch, ws, rk, num_workers=num_workers,
+                               collate_fn=_collate_eval)
 
 
 # The checking collates (module-level: picklable). Dtypes are scanned per batch, shapes
