@@ -87,6 +87,7 @@ def test_train_loader_fixed_shapes_sharding_and_set_epoch():
         first = list(loader.sampler)
         loader.sampler.set_epoch(1)
         assert list(loader.sampler) != first  # a new shuffle each epoch
+        assert list(loader.sampler) == list(loader.sampler)  # without set_epoch: the same order
         loader.sampler.set_epoch(0)
         seen += first
     # the sampler gives 1437 // 4 = 359 per replica: the ragged tail of 1 is dropped, no repeats
