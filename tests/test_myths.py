@@ -46,6 +46,15 @@ def test_torch_xla_needs_neither_jax_nor_the_retired_tpu_node_client():
     assert not any(name in r for name in retired for r in reqs)
 
 
+def test_nccl_does_not_start_without_a_gpu():
+    import torch.distributed as dist
+
+    with pytest.raises((ValueError, RuntimeError)):  # ProcessGroupNCCL needs GPUs
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def test_lightning_removed_argument():
     import lightning as L
 
