@@ -90,52 +90,34 @@ def badges(name: str) -> str:
     )
 
 
-#: Environment variable naming another source of ``tpu_helpers`` for the setup cell.
+#: Environment variable naming another source of this repository's package for the setup cell.
 SOURCE_VAR = "TPU_NB_SOURCE"
+#: The longest setup cell the checker accepts (lines, comments and blanks included).
+MAX_SETUP_LINES = 8
 
 
 def setup_cell() -> str:
     """The setup cell every notebook starts with (identical in all of them).
 
-    Locally (this repo's venv has ``tpu_helpers`` installed) it installs nothing and only
-    prints where it runs. On Colab/Kaggle it fetches the helpers once from ``$TPU_NB_SOURCE``
-    (a fork's git URL, a folder holding an uploaded copy of the repository, or a wheel file or
-    URL; default: a clone of :data:`REPO_URL`). If that fails it prints one message listing the
-    alternatives and stops with a one-line error (no pip/git traceback). Then
+    If ``tpu_helpers`` is not importable (Colab, Kaggle), one ``%pip install --no-deps`` of this
+    repository's package: the toolkit, the course code and the data (``pyproject.toml``), and
+    never torch or torch_xla. ``$TPU_NB_SOURCE`` (or the ``SOURCE`` line, edited) names anything
+    pip installs from instead of :data:`REPO_URL`: a fork's git URL, a wheel file or URL
+    (``make wheel``), or a writable folder holding a copy of the repository. Locally (the venv's
+    editable install, or ``PYTHONPATH``) nothing is installed. Then
     ``course.setup.setup_notebook()`` keeps a supported torch/torch_xla pair or installs a
-    matched one (:func:`course.setup.plan_setup`). A clone or an uploaded folder puts the
-    repository on ``sys.path`` (``tpu_helpers`` and ``course``); the wheel installs both."""
-    return f'''{SETUP_MARKER}: on Colab/Kaggle gets this repo's tpu_helpers, then installs
-# only what the platform lacks (it keeps a supported torch/torch_xla pair); locally nothing.
+    matched one and the notebook packages the platform lacks (:func:`course.setup.plan_setup`).
+    If pip fails, its error is printed and the last line stops with ``No module named
+    'course'``; the comment two lines above it (shown in the traceback) says what to do.
+    """
+    return f'''{SETUP_MARKER}: this repository's package if missing, then what the platform lacks.
 import importlib.util
 import os
-import subprocess
-import sys
 
-REPO_URL = "{REPO_URL}"
-if importlib.util.find_spec("tpu_helpers") is None:  # {SOURCE_VAR}: a git URL, folder or wheel
-    _src = os.environ.get("{SOURCE_VAR}", REPO_URL)
-    _whl = _src.endswith(".whl")
-    _home = next((d for d in ("/kaggle/working", "/content") if os.path.isdir(d)), os.getcwd())
-    _dir = _src if os.path.isdir(_src) else os.path.join(_home, "tpu-notebooks")
-    _cmd = ([sys.executable, "-m", "pip", "install", "-q", _src] if _whl else
-            None if os.path.isdir(_dir) else ["git", "clone", "-q", "--depth", "1", _src, _dir])
-    _err = _cmd and subprocess.run(_cmd, capture_output=True, text=True).stderr.strip()
-    if not _whl:
-        sys.path.insert(0, _dir)
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_dir, os.getenv("PYTHONPATH")]))
-    importlib.invalidate_caches()
-    if importlib.util.find_spec("tpu_helpers") is None:
-        print(f"No tpu_helpers from {{_src}}: {{_err or 'no tpu_helpers folder there'}}\\n"
-              "Instead set os.environ['{SOURCE_VAR}'] to a fork's git URL, a folder with an "
-              "uploaded copy (e.g. a Kaggle dataset in /kaggle/input) or a tpu_helpers wheel "
-              "(file or URL), then re-run this cell. On Kaggle, downloads need Settings > "
-              "Internet on.")
-        raise ModuleNotFoundError("tpu_helpers is not available: see the message above.")
-
-from course.setup import setup_notebook
-
-RUNTIME = setup_notebook()'''
+SOURCE = os.environ.get("{SOURCE_VAR}", "git+{REPO_URL}")
+if importlib.util.find_spec("tpu_helpers") is None:  # failed? Kaggle: Internet on; or README
+    %pip install -q --no-deps {{SOURCE}}
+RUNTIME = importlib.import_module("course.setup").setup_notebook()'''
 
 
 # --------------------------------------------------------------------------- checking
@@ -234,6 +216,9 @@ def _code_problems(code: list[dict[str, Any]]) -> list[str]:
     problems = []
     if not code or _source(code[0]) != setup_cell():
         problems.append("the first code cell is not the canonical setup cell (run `make template`)")
+    if code and len(_source(code[0]).splitlines()) > MAX_SETUP_LINES:
+        problems.append(f"the setup cell has {len(_source(code[0]).splitlines())} lines, more than "
+                        f"{MAX_SETUP_LINES}: what it does belongs in course/setup.py")
     if sum(_source(c).startswith(SETUP_MARKER) for c in code) > 1:
         problems.append("more than one setup cell")
     if len(code) < 2 or not _source(code[1]).startswith(CONFIG_MARKER):

@@ -1,8 +1,9 @@
 """Record a real TPU run: every notebook at full settings, one row per notebook, committed.
 
 A maintainer runs this on a TPU VM, in Colab or in Kaggle (TPU runtime, Internet on),
-from a clone of this repository, in the platform's own Python (after a notebook's setup
-cell has run once, or ``pip install -e .``)::
+from a clone of this repository, in the platform's own Python, after ``pip install --no-deps
+-e .`` in the clone (then the notebooks' setup cells find this clone's package and install
+nothing; a setup cell run first would install GitHub's ``main`` instead)::
 
     python scripts/tpu_check.py                # or: make tpu-check
     git add results/tpu_runs.json README.md && git commit -m "TPU run record"
