@@ -22,7 +22,7 @@ Every row trains ``course.models.DigitsCNN`` on the shipped digits (train split,
       add start-up cost for in-memory data on a 2-core machine: this is the strongest
       version of the baseline) and ``xr.using_pjrt()`` (removed; PJRT is the only runtime).
   (c) Lightning's ``Trainer`` on XLA: ``Trainer(**tpu_helpers.tpu_lightning.trainer_kwargs(1))``
-      with ``DigitsLightningModule`` (loss logged per epoch, no per-step sync), progress bar
+      with ``LitDigits`` (loss logged per epoch, no per-step sync), progress bar
       on (its output hidden), checkpointing and logger off, plain ``DataLoader``.
   (d) ours: ``tpu_helpers.train.fit`` itself (the per-replica function notebook 03 teaches)
       on this data without held-out data or checkpoints: its ``DataLoader`` +
@@ -289,7 +289,7 @@ def lightning_row(epochs: int, images, labels) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from course.lightning_demo import DigitsLightningModule
+    from course.lightning_demo import LitDigits
     from course.lightning_demo import trainer_kwargs_here as trainer_kwargs
     from tpu_helpers.data import ArrayDataset
 
@@ -309,7 +309,7 @@ def lightning_row(epochs: int, images, labels) -> None:
         trainer = L.Trainer(**trainer_kwargs(1), max_epochs=epochs, logger=False,
                             enable_checkpointing=False, enable_model_summary=False,
                             default_root_dir=root, callbacks=[Window()])
-        trainer.fit(DigitsLightningModule(), loader)
+        trainer.fit(LitDigits(), loader)
 
 
 # --------------------------------------------------------------------------- (d) ours

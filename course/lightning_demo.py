@@ -8,7 +8,8 @@
   device. This accelerator is emulation scaffolding (one device, four of Lightning's static
   methods overridden), so it lives here and not in the toolkit a TPU user copies.
 * :func:`lightning_processes`, :func:`lightning_devices_table`, :func:`describe_choice`.
-* :class:`DigitsLightningModule`: :class:`course.models.DigitsCNN` as a LightningModule.
+* :class:`LitDigits`: :class:`course.models.DigitsCNN` as a LightningModule, the class
+  notebook 06 writes in its ``#@save`` cell and trains.
 * :class:`XLACountsCallback`: compiles, transfers and ``strategy.reduce`` calls per epoch
   and per step, written per rank to a file (:func:`read_counts`): with several processes
   the callback object in the notebook is not the one that ran.
@@ -19,9 +20,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import pandas as pd
@@ -35,8 +36,6 @@ from tpu_helpers.checkpoint import atomic_write
 from tpu_helpers.env import EnvironmentProblem, Runtime, detect_runtime, layout_for
 from tpu_helpers.metrics import snapshot
 from tpu_helpers.tpu_lightning import trainer_kwargs
-
-LossLogging = Literal["epoch", "logger", "prog_bar"]
 
 # --------------------------------------------------------------------------- which Trainer
 
@@ -136,47 +135,47 @@ def lightning_devices_table() -> pd.DataFrame:
 # --------------------------------------------------------------------------- the model
 
 
-class DigitsLightningModule(L.LightningModule):
+class LitDigits(L.LightningModule):
     """:class:`course.models.DigitsCNN` as a LightningModule (batches are ``(x, y, ...)``).
 
-    ``loss_logging``: ``"epoch"`` (``on_step=False, on_epoch=True, sync_dist=True``: reduced
-    once per epoch, no host sync per step), ``"logger"`` (also the per-step loss for the
-    logger only, read every ``log_every_n_steps``) or ``"prog_bar"`` (the common
-    ``on_step=True, prog_bar=True, sync_dist=True``: a device-to-host transfer after every
-    step and, on several devices, a reduce at every ``self.log`` call).
+    Notebook 06 writes this class in a cell marked ``#@save course/lightning_demo.py`` and
+    trains it; ``tests/test_cells_match_toolkit.py`` keeps the two equal. ``loss_logging``:
+    ``"epoch"`` (``on_step=False, on_epoch=True, sync_dist=True``: reduced once per epoch, no
+    host sync per step), ``"logger"`` (also the per-step loss for the logger only, read every
+    ``log_every_n_steps``) or ``"prog_bar"`` (the common ``on_step=True, prog_bar=True,
+    sync_dist=True``: a device-to-host transfer after every step and, on several devices, a
+    reduce at every ``self.log`` call).
     """
 
-    def __init__(self, lr: float = 3e-3, weight_decay: float = 1e-4,
-                 loss_logging: LossLogging = "epoch", width: int = 16) -> None:
+    def __init__(self, lr=3e-3, weight_decay=1e-4, loss_logging="epoch"):
         super().__init__()
         if loss_logging not in ("epoch", "logger", "prog_bar"):
-            raise ValueError(f"loss_logging must be 'epoch', 'logger' or 'prog_bar', "
-                             f"got {loss_logging!r}.")
-        self.save_hyperparameters()
-        self.model = DigitsCNN(width=width)
+            raise ValueError(f"loss_logging: 'epoch', 'logger' or 'prog_bar', not {loss_logging!r}")
+        self.save_hyperparameters()   # lr, weight_decay, loss_logging go into every checkpoint
+        self.model = DigitsCNN()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         return self.model(x)
 
-    def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch, batch_idx):
         loss = F.cross_entropy(self(batch[0]), batch[1])
-        per_step = self.hparams.loss_logging == "prog_bar"
+        per_step = self.hparams.loss_logging == "prog_bar"   # section 5 measures the cost
         self.log("train_loss", loss, on_step=per_step, on_epoch=True, prog_bar=True,
                  sync_dist=True)
-        if self.hparams.loss_logging == "logger":
-            self.log("train_loss_step", loss, on_step=True, on_epoch=False, prog_bar=False)
+        if self.hparams.loss_logging == "logger":   # per-step values: the logger only
+            self.log("train_loss_step", loss, on_step=True, on_epoch=False)
         return loss
 
-    def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch, batch_idx):
         logits = self(batch[0])
         self.log("val_loss", F.cross_entropy(logits, batch[1]), sync_dist=True)
-        self.log("val_acc", (logits.argmax(dim=1) == batch[1]).float().mean(), prog_bar=True,
-                 sync_dist=True)
+        accuracy = (logits.argmax(dim=1) == batch[1]).float().mean()
+        self.log("val_acc", accuracy, prog_bar=True, sync_dist=True)
 
-    def predict_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def predict_step(self, batch, batch_idx):
         return self(batch[0])
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
                                  weight_decay=self.hparams.weight_decay)
 

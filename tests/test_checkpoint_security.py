@@ -118,7 +118,7 @@ def test_lightning_trainer_fit_from_the_file_is_refused(tmp_path, marker):
     from torch.utils.data import DataLoader
 
     from course.datasets import load_digits
-    from course.lightning_demo import DigitsLightningModule
+    from course.lightning_demo import LitDigits
     from course.lightning_demo import trainer_kwargs_here as trainer_kwargs
     from tpu_helpers.data import ArrayDataset
 
@@ -128,7 +128,7 @@ def test_lightning_trainer_fit_from_the_file_is_refused(tmp_path, marker):
                         enable_model_summary=False, default_root_dir=tmp_path)
     loader = DataLoader(ArrayDataset(*load_digits("train")), batch_size=32, drop_last=True)
     with pytest.raises(UnsafeCheckpointError, match=r"last\.ckpt: refused"):
-        trainer.fit(DigitsLightningModule(), loader, ckpt_path=path)
+        trainer.fit(LitDigits(), loader, ckpt_path=path)
     assert not marker.exists()
 
 

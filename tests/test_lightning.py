@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from course.datasets import load_digits
 from course.lightning_demo import (
-    DigitsLightningModule,
+    LitDigits,
     XLACountsCallback,
     XLACPUAccelerator,
     describe_choice,
@@ -92,6 +92,19 @@ def test_devices_lightning_would_refuse_fail_before_the_trainer(devices):
         trainer_kwargs(devices)
 
 
+def test_the_removed_tpu_arguments_are_refused():
+    """Notebook 06, section 1 prints these errors: ``tpu_cores`` and ``"tpu_spawn"`` are gone."""
+    with pytest.raises(TypeError, match="tpu_cores"):
+        Trainer(**{"tpu_cores": 8})
+    with pytest.raises(ValueError, match="invalid strategy name"):
+        Trainer(strategy="tpu_spawn")
+
+
+def test_a_bad_loss_logging_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="'epoch', 'logger' or 'prog_bar', not 'step'"):
+        LitDigits(loss_logging="step")
+
+
 def test_without_pjrt_cpu_the_fix_is_named(monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     with pytest.raises(EnvironmentProblem, match="configure_emulation"):
@@ -136,7 +149,7 @@ def fitted(digits, tmp_path_factory):
     train, test = digits
     ckpt_dir = tmp_path_factory.mktemp("ckpt")
     torch.manual_seed(0)
-    model = DigitsLightningModule(lr=5e-3)
+    model = LitDigits(lr=5e-3)
     trainer, counts, checkpoint = make_trainer(ckpt_dir)
     trainer.fit(model, *loaders(train, test))
     return trainer, model, counts, checkpoint
@@ -179,7 +192,7 @@ def test_checkpoint_is_atomic_and_loads_into_a_fresh_module(fitted):
     path = Path(checkpoint.best_model_path)
     assert path.is_file()
     assert [p.name for p in path.parent.iterdir() if ".tmp" in p.name] == []
-    restored = DigitsLightningModule.load_from_checkpoint(path, map_location="cpu")
+    restored = LitDigits.load_from_checkpoint(path, map_location="cpu")
     assert restored.hparams.lr == 5e-3
     raw = torch.load(path, map_location="cpu", weights_only=False)
     assert float(raw["callbacks"][next(k for k in raw["callbacks"]
@@ -243,7 +256,7 @@ from torch.utils.data import DataLoader
 
 from tpu_helpers.data import ArrayDataset
 from course.datasets import load_digits
-from course.lightning_demo import DigitsLightningModule
+from course.lightning_demo import LitDigits
 
 
 class CountReduceInSteps(L.Callback):
@@ -276,7 +289,7 @@ if __name__ == "__main__":
                             limit_train_batches=4, callbacks=[counter], logger=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             enable_checkpointing=False)
-        trainer.fit(DigitsLightningModule(loss_logging=mode),
+        trainer.fit(LitDigits(loss_logging=mode),
                     DataLoader(train, batch_size=32, shuffle=True, drop_last=True))
         print(f"rank {trainer.global_rank} {mode}: {counter.calls} reduce calls in "
               f"{counter.steps} steps", flush=True)
@@ -352,7 +365,7 @@ def test_xla_precision_and_strategy_internals_the_notebook_names():
 
 def test_a_module_left_in_eval_mode_trains_as_it_is_with_a_warning(digits):
     train, _ = digits
-    model = DigitsLightningModule().eval()
+    model = LitDigits().eval()
     trainer = Trainer(**trainer_kwargs_here(), max_epochs=1, limit_train_batches=1,
                       enable_checkpointing=False, **QUIET)
     with pytest.warns(UserWarning, match="eval mode"):

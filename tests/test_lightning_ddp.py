@@ -64,7 +64,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from course.datasets import load_digits
-from course.lightning_demo import DigitsLightningModule, XLACountsCallback, read_counts
+from course.lightning_demo import LitDigits, XLACountsCallback, read_counts
 from tpu_helpers.data import ArrayDataset
 from tpu_helpers.tpu_lightning import (AtomicXLACheckpointIO, ExactlyOncePredictionWriter,
                                        read_predictions)
@@ -97,7 +97,7 @@ if __name__ == "__main__":
 
     start = time.perf_counter()
     L.seed_everything(cfg["SEED"])
-    model = DigitsLightningModule(lr=cfg["LR"], loss_logging="logger")
+    model = LitDigits(lr=cfg["LR"], loss_logging="logger")
     before = [p.detach().clone() for p in model.parameters()]
     fit = make_trainer(out, cfg["MAX_EPOCHS"], out / "run1")
     counts = next(c for c in fit.callbacks if isinstance(c, XLACountsCallback))
@@ -153,7 +153,7 @@ if __name__ == "__main__":
     start = time.perf_counter()   # section 6: a new Trainer and a new model
     L.seed_everything(cfg["SEED"])
     rerun = make_trainer(out, cfg["RERUN_EPOCHS"], out / "run2")
-    rerun.fit(DigitsLightningModule(lr=cfg["LR"], loss_logging="logger"), train_loader,
+    rerun.fit(LitDigits(lr=cfg["LR"], loss_logging="logger"), train_loader,
               val_loader)
     report["rerun"] = {"seconds": time.perf_counter() - start,
                        "val_acc": float(rerun.callback_metrics["val_acc"]),
