@@ -1,19 +1,26 @@
 """Loader experiments for ``notebooks/02_parallel_loader.ipynb`` (course only): the naive loop,
 the device loader and the on-device ceiling timed side by side (``benchmarks/bench_loader.py``
-too), the several-device ParallelLoader and the SPMD input-sharding demos."""
+too), the several-device ParallelLoader and the SPMD input-sharding demos.
+
+The training step they all run, :func:`train_on_batch`, is written in the notebook's cell
+marked ``#@save course/loader_experiments.py``; ``tests/test_cells_match_toolkit.py`` keeps
+the two equal."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.distributed.parallel_loader as pl
@@ -29,6 +36,26 @@ from tpu_helpers.metrics import snapshot, track
 from tpu_helpers.spmd import device_mesh
 
 
+class _NoJaxNotice(logging.Filter):
+    """Drops torch_xla 2.8's "requires jax/pallas" notice. Its profiler traces, which
+    ParallelLoader's threads enter for every batch, log it on the root logger each time when
+    jax is not installed (torch_xla/_internal/jax_workarounds.py, v2.8.0); the loaders need
+    no jax, and 2.9 no longer logs it there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires jax/pallas" not in record.getMessage()
+
+
+def quiet_jax_notice() -> None:
+    """Install :class:`_NoJaxNotice` on the root logger (once; importing this module does)."""
+    root = logging.getLogger()
+    if not any(isinstance(f, _NoJaxNotice) for f in root.filters):
+        root.addFilter(_NoJaxNotice())
+
+
+quiet_jax_notice()
+
+
 @dataclass(frozen=True)
 class LoopTiming:
     """One timed loop: steps, wall seconds, and what XLA did meanwhile."""
@@ -40,6 +67,9 @@ class LoopTiming:
     transfers_to_device: int
     #: steps/s of every round when :func:`compare_loops` ran several (this one is the best)
     round_rates: tuple[float, ...] = ()
+    #: host seconds the training loop spent outside the step: getting (and, in the naive
+    #: loop, copying) the next batch and ``torch_xla.sync()``; NaN when not measured
+    outside_step_seconds: float = float("nan")
 
     @property
     def steps_per_s(self) -> float:
@@ -49,6 +79,8 @@ class LoopTiming:
         row = asdict(self)
         row["steps_per_s"] = self.steps_per_s
         row["transfers_per_step"] = self.transfers_to_device / max(self.steps, 1)
+        row["executions_per_step"] = self.executions / max(self.steps, 1)
+        row["ms_outside_step_per_step"] = 1e3 * self.outside_step_seconds / max(self.steps, 1)
         rates = list(self.round_rates) or [self.steps_per_s]
         row["round_rates"] = rates
         row["min_steps_per_s"], row["max_steps_per_s"] = min(rates), max(rates)
@@ -56,15 +88,36 @@ class LoopTiming:
         return row
 
 
-def time_loop(name: str, run: Callable[[], int]) -> LoopTiming:
-    """Run ``run()`` (which returns its step count) and time it, device work included."""
+class StepClock:
+    """``step`` that adds up the host seconds spent in its calls (tracing the step)."""
+
+    def __init__(self, step: Step) -> None:
+        self.step, self.seconds = step, 0.0
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return self.step(x, y)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def time_loop(name: str, run: Callable[[], int], clock: StepClock | None = None) -> LoopTiming:
+    """Run ``run()`` (which returns its step count) and time it, device work included.
+
+    With the ``clock`` that wraps the loop's step, also the host time the loop spent outside
+    the step (from the loop's start until it returns, minus the time in the step's calls)."""
     xm.wait_device_ops()
     before, start = snapshot(), time.perf_counter()
+    in_step = clock.seconds if clock else 0.0
     steps = run()
+    loop_seconds = time.perf_counter() - start
     xm.wait_device_ops()  # count the time the device needs, not just the tracing
     seconds = time.perf_counter() - start
     c = snapshot() - before
-    return LoopTiming(name, steps, seconds, c.compiles, c.executions, c.transfers_to_device)
+    outside = loop_seconds - (clock.seconds - in_step) if clock else float("nan")
+    return LoopTiming(name, steps, seconds, c.compiles, c.executions, c.transfers_to_device,
+                      outside_step_seconds=outside)
 
 
 def naive_loop(loader: Iterable, step: Step, device: Any, max_steps: int | None = None) -> int:
@@ -101,19 +154,18 @@ def on_device_loop(batches: list[tuple[torch.Tensor, ...]], step: Step) -> int:
     return len(batches)
 
 
+def train_on_batch(model, optimizer, x, y):
+    """One training step on a batch already on the device; returns the loss (on the device)."""
+    optimizer.zero_grad(set_to_none=False)  # keep the gradient tensors: one graph every step
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    xm.optimizer_step(optimizer)  # all-reduce the gradients over the replicas, then step
+    return loss
+
+
 def sgd_step(model: torch.nn.Module, lr: float = 0.05) -> Step:
-    """A plain training step (forward, cross-entropy, backward, SGD update) for timing."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=False)  # keep grad tensors: same graph every step
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+    """``step(x, y)``: :func:`train_on_batch` on ``model`` with a new SGD optimizer."""
+    return partial(train_on_batch, model, torch.optim.SGD(model.parameters(), lr=lr))
 
 
 def warm_up(step: Step, batch: tuple[torch.Tensor, ...], device: Any, max_steps: int = 4) -> int:
@@ -143,22 +195,23 @@ def compare_loops(loader: Iterable, step: Step, device: Any, steps: int,
     all three alike instead of whichever happened to run during a burst.
     """
     warm_up(step, next(iter(loader)), device)
+    clock = StepClock(step)
     resident = []
     for batch in loader:
         resident.append(tuple(t.to(device) for t in batch[:2]))
         if len(resident) >= steps:
             break
     loops: list[tuple[str, Callable[[], int]]] = [
-        ("naive .to(device)", lambda: naive_loop(loader, step, device, steps)),
-        ("MpDeviceLoader", lambda: device_loader_loop(loader, step, device, steps,
+        ("naive .to(device)", lambda: naive_loop(loader, clock, device, steps)),
+        ("MpDeviceLoader", lambda: device_loader_loop(loader, clock, device, steps,
                                                       **loader_kwargs)),
-        ("on device (ceiling)", lambda: on_device_loop(resident, step)),
+        ("on device (ceiling)", lambda: on_device_loop(resident, clock)),
     ]
     best: dict[str, LoopTiming] = {}
     rates: dict[str, list[float]] = {name: [] for name, _ in loops}
     for r in range(rounds):
         for name, run in loops[r % 3:] + loops[:r % 3]:
-            t = time_loop(name, run)
+            t = time_loop(name, run, clock)
             rates[name].append(t.steps_per_s)
             if name not in best or t.steps_per_s > best[name].steps_per_s:
                 best[name] = t
