@@ -8,6 +8,9 @@ tests below check against torch_xla's own view of the shards.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import run_python
@@ -159,6 +162,11 @@ out["xla_indices"] = {k: [[[s.start, s.stop] for s in i] for _, i in s]
 from tpu_helpers.spmd import shard_placements
 out["our_indices"] = {k: [[list(b) for b in p.bounds] for p in shard_placements(
     torch_xla._XLAC._get_xla_sharding_spec(ts[k]), ts[k].shape, 4)] for k in sharded}
+from tpu_helpers.spmd import sharding_spec
+out["public_spec_equal"] = {k: sharding_spec(v) == torch_xla._XLAC._get_xla_sharding_spec(v)
+                            for k, v in ts.items()}
+out["specs"] = {k: sharding_spec(v) for k, v in ts.items()}
+out["cpu_spec"] = sharding_spec(torch.zeros(2))
 
 class MLP(nn.Module):
     def __init__(self):
@@ -176,6 +184,12 @@ fig = plot_shard_layout(a, "FSDPv2")
 out["plot_axes"] = len(fig.axes)
 out["plot_title"] = fig._suptitle.get_text()
 out["plot_labels"] = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel()]
+batch = torch.zeros(8, 64).to(dev)
+xs.mark_sharding(batch, fsdp_mesh, ("fsdp", None))
+fig = plot_shard_layout(a, "FSDPv2", inputs={"batch": batch})
+out["plot_inputs_title"] = fig._suptitle.get_text()
+out["plot_inputs_labels"] = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel()]
+out["plot_inputs_texts"] = [t.get_text() for t in fig.axes[0].texts]
 # under SPMD every execution is counted in ExecuteReplicatedTime, none in ExecuteTime
 xm.wait_device_ops()  # executions are asynchronous: count only finished ones
 before = (met.metric_data("ExecuteReplicatedTime") or [0])[0]
@@ -186,7 +200,10 @@ out["executions"] = {"replicated": (met.metric_data("ExecuteReplicatedTime") or 
 
 root = tempfile.mkdtemp()
 ck = os.path.join(root, "ck")
-save_sharded_checkpoint(a.state_dict(), ck)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    save_sharded_checkpoint(a.state_dict(), ck)
+out["save_warnings"] = [str(w.message)[:80] for w in caught]
 save_sharded_checkpoint(a.state_dict(), ck)  # overwrite in place
 out["ck_listing"] = sorted(os.listdir(root))
 out["ck_files"] = sorted(os.listdir(ck))
@@ -194,7 +211,10 @@ torch.manual_seed(1)
 b = FSDPv2(MLP(), mesh=fsdp_mesh)
 out["differs_before"] = any(not torch.equal(p.cpu(), q.cpu())
                             for p, q in zip(a.parameters(), b.parameters()))
-load_sharded_checkpoint(b.state_dict(), ck)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    load_sharded_checkpoint(b.state_dict(), ck)
+out["load_warnings"] = [str(w.message)[:80] for w in caught]
 out["equal_after"] = all(torch.equal(p.cpu(), q.cpu())
                          for p, q in zip(a.parameters(), b.parameters()))
 spec = torch_xla._XLAC._get_xla_sharding_spec
@@ -245,6 +265,40 @@ def test_sharding_summary_bytes_match_the_device_buffers(spmd_report):
 
 def test_shard_placements_agree_with_torch_xla(spmd_report):
     assert spmd_report["our_indices"] == spmd_report["xla_indices"]
+
+
+def test_sharding_spec_is_the_public_view_of_the_annotation(spmd_report):
+    # XLAShardedTensor(t).sharding_spec (public) reads what _XLAC._get_xla_sharding_spec does
+    assert all(spmd_report["public_spec_equal"].values())
+    assert spmd_report["specs"]["w"] == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+    assert spmd_report["specs"]["r"] == "" and spmd_report["cpu_spec"] == ""
+
+
+def test_split_words_names_the_split_dims():
+    from course.plots import split_words
+    assert split_words((256, 64), (64, 64)) == "rows / 4"
+    assert split_words((10, 256), (10, 64)) == "columns / 4"
+    assert split_words((10,), (3,)) == "dim 0 / 4"
+    assert split_words((8, 8), (4, 4)) == "rows / 2, columns / 2"
+    assert split_words((10,), (10,)) == "whole"
+
+
+def test_shard_plot_with_inputs_says_what_each_device_holds(spmd_report):
+    # notebook 07's figures: the batch row makes tensor parallel and FSDPv2 differ visibly
+    assert spmd_report["plot_inputs_title"] == (
+        "FSDPv2\neach of 4 devices holds 25% of the parameters and 25% of batch")
+    labels = spmd_report["plot_inputs_labels"]
+    assert labels[0] == "batch\n8x64\nrows / 4"
+    assert labels[1] == "fc1.weight\n256x64\nrows / 4"
+    assert labels[3] == "fc2.weight\n12x256\ncolumns / 4"
+    assert spmd_report["plot_inputs_texts"] == ["2x64\n512 B"]  # device 0's shard, bytes
+
+
+def test_sharded_checkpoint_calls_show_no_warnings(spmd_report):
+    # dist_cp's informational warnings (single process, planner signature, TypedStorage,
+    # torch_xla's list index) stay inside the toolkit: a learner sees none of them
+    assert spmd_report["save_warnings"] == []
+    assert spmd_report["load_warnings"] == []
 
 
 def test_fsdpv2_holds_a_quarter_per_device(spmd_report):
@@ -302,3 +356,36 @@ def test_late_use_spmd_warns_then_the_next_computation_crashes_on_xla_cpu():
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("WARN"))
     assert "Replicating tensors already initialized on non-virtual XLA device" in line
     assert proc.returncode != 0 and "SUM" not in proc.stdout
+
+
+GSPMD_NOTICE = r"""
+import os, sys
+import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
+if sys.argv[1:] == ["quiet"]:  # as notebook 07's config cell: set before the runtime starts
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+xr.use_spmd()
+mesh = xs.Mesh(np.arange(4), (4,), ("data",))
+x = torch.ones(8, 4).to(torch_xla.device())
+xs.mark_sharding(x, mesh, ("data", None))
+print("SUM", (x * 2).sum().item(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "quiet"])
+def test_gspmd_deprecation_notice_and_how_notebook_07_hides_it(tmp_path, mode):
+    # torch_xla 2.9's XLA warns on every SPMD compile that GSPMD propagation will be deprecated
+    # (in favour of Shardy; 2.8's XLA predates the notice); torch_xla 2.8 and 2.9 partition with
+    # GSPMD. TF_CPP_MIN_LOG_LEVEL=2, set before the first C++ log line, hides C++ warnings;
+    # torch_xla's default is 1.
+    import torch_xla
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    script = tmp_path / "gspmd.py"
+    script.write_text(GSPMD_NOTICE)
+    proc = subprocess.run([sys.executable, str(script), *(["quiet"] if mode == "quiet" else [])],
+                          env={**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"},
+                          capture_output=True, text=True, timeout=300)
+    assert "SUM 64.0" in proc.stdout, proc.stderr[-2000:]
+    notice = "GSPMD sharding propagation is going to be deprecated"
+    shown = mode == "default" and not torch_xla.__version__.startswith("2.8")
+    assert (notice in proc.stderr) == shown, proc.stderr[-2000:]

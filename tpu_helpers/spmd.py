@@ -97,7 +97,7 @@ _IOTA = re.compile(r"^<=\[([\d,]+)\](?:T\(([\d,]+)\))?$")
 
 def shard_placements(spec: str, shape: Sequence[int], num_devices: int) -> list[ShardPlacement]:
     """Which slice of a tensor of ``shape`` each device holds, ordered by device (pure).
-    ``spec``: ``torch_xla._XLAC._get_xla_sharding_spec(t)``, tiled, replicated or ``""``."""
+    ``spec``: :func:`sharding_spec` of the tensor, tiled, replicated or ``""``."""
     shape = tuple(int(s) for s in shape)
     if spec in ("", "{replicated}"):
         return [ShardPlacement(d, tuple(slice(0, n) for n in shape), shape)
@@ -133,13 +133,14 @@ def shard_placements(spec: str, shape: Sequence[int], num_devices: int) -> list[
     return sorted(out, key=lambda p: p.device)
 
 
-def _spec(t: torch.Tensor) -> str:
-    return torch_xla._XLAC._get_xla_sharding_spec(t) if t.device.type == "xla" else ""
+def sharding_spec(t: torch.Tensor) -> str:
+    """XLA's sharding annotation of ``t``: ``""`` or ``{replicated}``: every device holds it."""
+    return xs.XLAShardedTensor(t).sharding_spec if t.device.type == "xla" else ""
 
 
 def tensor_placements(t: torch.Tensor) -> list[ShardPlacement]:
     """:func:`shard_placements` of a tensor, from its sharding annotation (no data moves)."""
-    return shard_placements(_spec(t), t.shape, xr.global_runtime_device_count())
+    return shard_placements(sharding_spec(t), t.shape, xr.global_runtime_device_count())
 
 
 def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module
@@ -156,7 +157,7 @@ def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module
         per_device = max(math.prod(p.padded_shape) for p in places) * t.element_size()
         rows.append({"tensor": name, "shape": tuple(t.shape),
                      "dtype": str(t.dtype).removeprefix("torch."),
-                     "sharding": _spec(t) or "(none: replicated)",
+                     "sharding": sharding_spec(t) or "(none: replicated)",
                      "copies": len(places) // len({p.bounds for p in places}), "bytes": total,
                      "bytes/device": per_device, "fraction": per_device / total if total else 1.0})
     return rows
@@ -164,10 +165,14 @@ def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Hide torch's single-process notice and its planner-signature nag (informational)."""
+    """Hide what ``dist_cp`` with torch_xla's planners warns on every call, all informational:
+    torch's single-process notice, its planner-signature nag, and two deprecations inside the
+    libraries (torch's ``TypedStorage``; torch_xla's list index in ``xla_sharded_tensor.py``)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")
         warnings.filterwarnings("ignore", message=r"The function definition for SavePlanner")
+        warnings.filterwarnings("ignore", message=r"TypedStorage is deprecated")
+        warnings.filterwarnings("ignore", message=r"Using a non-tuple sequence for multidim")
         yield
 
 
@@ -353,15 +358,23 @@ def _first_gap(box: Box, chunks: Sequence[Box]) -> tuple[int, ...] | None:
     return None
 
 
+def _local_shard_indices(t: torch.Tensor) -> list[Any]:
+    """The index (slices, or ``...`` for all of it) of each shard of ``t`` on this host's
+    devices. Private torch_xla call on purpose: the public ``XLAShardedTensor(t).local_shards``
+    gives the same indices but first copies every shard to the host, which a loader checking a
+    big model must not do (same call and result in torch_xla 2.8 and 2.9)."""
+    (pairs,) = torch_xla._XLAC._get_local_shard_replica_and_indices([t])
+    return [index for _, index in pairs]
+
+
 def _needed(t: torch.Tensor) -> list[Box]:
     """What this host loads of ``t``: its own shards if ``t`` is sharded, else all of it."""
     whole = tuple((0, n) for n in t.shape)
-    if not _spec(t):
+    if not sharding_spec(t):
         return [whole]
-    (pairs,) = torch_xla._XLAC._get_local_shard_replica_and_indices([t])
     return [whole if index is Ellipsis else
             tuple((min(s.start, n), min(s.stop, n)) for s, n in zip(index, t.shape, strict=True))
-            for _, index in pairs]
+            for index in _local_shard_indices(t)]
 
 
 def _check_targets(folder: Path, metadata: Metadata, state_dict: Mapping[str, Any]) -> None:
