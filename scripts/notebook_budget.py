@@ -50,7 +50,15 @@ class _Capture:
         orig, capture = self._orig, self
 
         def execute(run):
-            res = orig(run)
+            # ipykernel forwards the process's own fd 1/2 (C++ logs, child processes) into the
+            # cells, as a learner sees them, except when PYTEST_CURRENT_TEST is in its
+            # environment (ipykernel/iostream.py): start the kernel without it.
+            saved = os.environ.pop("PYTEST_CURRENT_TEST", None)
+            try:
+                res = orig(run)
+            finally:
+                if saved is not None:
+                    os.environ["PYTEST_CURRENT_TEST"] = saved
             capture.nb = res.nb
             return res
         pytest_items.NotebookRun.execute = execute
