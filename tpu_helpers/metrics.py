@@ -37,10 +37,11 @@ class Counts:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _metric_count(name: str) -> int:
+def metric_count(name: str) -> int:
+    """How many samples the metric ``name`` recorded (for ``CompileTime``: compiles), 0 if none."""
     import torch_xla.debug.metrics as met  # deferred: importing this file stays device-free
 
-    data = met.metric_data(name)
+    data = met.metric_data(name)  # (number of samples, their total, recent samples) or None
     return int(data[0]) if data else 0
 
 
@@ -57,10 +58,10 @@ def snapshot() -> Counts:
     """Totals since the process started (or ``met.clear_all()``); executions sum
     ``ExecuteTime`` and ``ExecuteReplicatedTime`` (where SPMD records them)."""
     return Counts(
-        compiles=_metric_count("CompileTime"),
-        executions=_metric_count("ExecuteTime") + _metric_count("ExecuteReplicatedTime"),
-        transfers_to_device=_metric_count("TransferToDeviceTime"),
-        transfers_from_device=_metric_count("TransferFromDeviceTime"),
+        compiles=metric_count("CompileTime"),
+        executions=metric_count("ExecuteTime") + metric_count("ExecuteReplicatedTime"),
+        transfers_to_device=metric_count("TransferToDeviceTime"),
+        transfers_from_device=metric_count("TransferFromDeviceTime"),
         fallback_ops=sum(fallback_op_counts().values()),
     )
 
