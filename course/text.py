@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from course.datasets import data_dir
@@ -61,17 +62,22 @@ def load_speeches(max_tokens: int, path: str | Path | None = None) -> list[np.nd
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then an MLP."""
+    """Pre-norm transformer block: causal self-attention, then an MLP. Padding sits after
+    the real tokens, so causal attention never lets a real token see it."""
 
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
+        self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
-    def forward(self, x: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.heads, d // self.heads).permute(
+            2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, n, d))
         return x + self.mlp(self.ln2(x))
 
 
@@ -81,14 +87,10 @@ class TinyGPT(nn.Module):
     def __init__(self, d: int = 64, layers: int = 2, heads: int = 4, max_len: int = 256):
         super().__init__()
         self.tok, self.pos = nn.Embedding(VOCAB_SIZE, d), nn.Embedding(max_len, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, VOCAB_SIZE, bias=False)
         nn.init.normal_(self.head.weight, std=1 / math.sqrt(d))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        n = tokens.shape[1]
-        x = self.tok(tokens) + self.pos(torch.arange(n, device=tokens.device))
-        causal = torch.ones(n, n, dtype=torch.bool, device=tokens.device).triu(1)
-        for block in self.blocks:
-            x = block(x, causal)
-        return self.head(self.ln(x))
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.head(self.ln(self.blocks(x)))
