@@ -18,11 +18,14 @@ import json, pathlib, sys
 import tpu_helpers, tpu_helpers.checkpoint, tpu_helpers.predict, tpu_helpers.train
 import course.setup
 from course.datasets import data_dir, load_digits, load_tabular_csv
+from course.text import load_speeches
 x, y = load_digits("train")
+speeches = load_speeches(256)
 features, labels = load_tabular_csv(data_dir() / "breast_cancer.csv")
 print(json.dumps({"module": tpu_helpers.__file__, "course": course.setup.__file__,
                   "data": str(data_dir()),
-                  "digits": list(x.shape), "table": list(features.shape)}))
+                  "digits": list(x.shape), "table": list(features.shape),
+                  "speeches": len(speeches)}))
 """
 
 
@@ -40,6 +43,7 @@ def test_wheel_installs_alone_and_carries_the_data(tmp_path):
     (wheel,) = dist.glob("tpu_helpers-*-py3-none-any.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "tpu_helpers/train.py" in names and "tpu_notebooks_data/digits/labels.csv" in names
+    assert "tpu_notebooks_data/tinyshakespeare/input.txt" in names  # notebook 09's text
     assert "course/setup.py" in names and "course/datasets.py" in names
     assert sum(n.startswith("tpu_notebooks_data/digits/images/") for n in names) == 1797
     assert not [n for n in names if n.startswith(("tests/", "notebooks/", "benchmarks/"))]
@@ -55,6 +59,7 @@ def test_wheel_installs_alone_and_carries_the_data(tmp_path):
     assert report["course"].startswith(str(site))
     assert report["data"].startswith(str(site))
     assert report["digits"] == [1437, 1, 8, 8] and report["table"] == [569, 30]
+    assert report["speeches"] > 1000  # Tiny Shakespeare, one sample per speech
     # the training script runs from the wheel too
     run = subprocess.run([sys.executable, "-m", "tpu_helpers.train", "--max-steps", "2",
                           "--out-dir", str(tmp_path / "run")],
