@@ -1,8 +1,7 @@
 """Multi-core training the way upstream writes it: one per-replica :func:`fit`, read top to bottom.
 
-Taught in ``notebooks/03_multicore_training.ipynb``: its ``#@save`` cells are
-:func:`make_train_loader`, :func:`train_step` and :func:`train_epoch`, which :func:`fit` runs.
-Needs ``checkpoint.py`` next to it. Also a script (on every worker of a TPU pod)::
+Taught in ``notebooks/03_multicore_training.ipynb`` (``#@save`` cells: :func:`make_train_loader`,
+:func:`train_step`, :func:`train_epoch`). Needs ``checkpoint.py``. A script for pod workers too::
 
     python -m tpu_helpers.train --epochs 3           # fake data, like upstream's --fake_data
     python -m tpu_helpers.train --data train.npz --eval-data test.npz --out-dir runs/a [--spmd]
@@ -191,8 +190,7 @@ class _Masked(Dataset):
 
 
 def make_loaders(train_set, eval_set, config, world, rank):
-    """This replica's loaders: :func:`make_train_loader`'s, and an eval shard padded with
-    masked rows to whole batches (any size, any device count, each row once)."""
+    """:func:`make_train_loader`'s, and an eval shard padded with masked rows (each row once)."""
     train = make_train_loader(train_set, config.global_batch, config.seed, world, rank)
     if eval_set is None:
         return train, None
@@ -207,8 +205,7 @@ class TrainingDiverged(FloatingPointError):
 
 
 def make_train_loader(dataset, global_batch, seed, world_size, rank):
-    """This replica's shuffled shard in batches of ``global_batch // world_size``: any world
-    size runs ``len(dataset) // global_batch`` steps of ``global_batch`` distinct samples."""
+    """This replica's shard: any world size runs ``len(dataset) // global_batch`` steps."""
     if global_batch % world_size:
         raise ValueError(f"global batch {global_batch} does not split over {world_size} replicas")
     per_replica = global_batch // world_size
@@ -242,8 +239,7 @@ def step_seed(seed, step, rank=0):
 
 def train_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
                 loss_fn=F.cross_entropy, totals=None):
-    """Train on device ``batches`` from step ``step``; ``after_step(step, totals)`` logs or
-    checkpoints, True stops. Returns ``totals + [loss_sum, correct, count]``, on the device."""
+    """One pass; ``after_step(step, totals)`` logs, checkpoints, True stops; returns totals."""
     totals = (torch.zeros(3) if totals is None else totals).to(torch_xla.device())
     for x, y in batches:
         step += 1
@@ -255,8 +251,8 @@ def train_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
 
 
 def evaluate(model, batches, loss_fn=F.cross_entropy):
-    """``[loss_sum, correct, count]`` over the real (mask True) rows, summed over replicas.
-    ``loss_fn(output, target, reduction="none")`` gives per-row losses (as torch's do)."""
+    """``[loss_sum, correct, count]`` of real (mask True) rows over replicas; per-row losses
+    from ``loss_fn(output, target, reduction="none")``."""
     model.eval()
     totals = torch.zeros(3).to(torch_xla.device())
     with torch.no_grad():
@@ -463,8 +459,7 @@ class Run:
             written = checkpoint.save_checkpoint(out / "final.pt", {"model": model.state_dict(),
                                       "step": self.step}, storage=self.config.storage)
             if written is not None:  # this replica is the writer
-                checkpoint.atomic_write(out / "history.json", lambda f: f.write(
-                    json.dumps(self.history, indent=1).encode()))
+                save_history(out / "history.json", self.history)
         return self.history
 
 
@@ -525,6 +520,11 @@ def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict
     if changes and run.batch:  # new settings: a new epoch (its batches meant other rows)
         run.epoch, run.batch, run.totals = run.epoch + 1, 0, torch.zeros(3)
     return run
+
+
+def save_history(path: str | os.PathLike[str], history: dict[str, Any]) -> Path:
+    """Write ``history`` as JSON with ``checkpoint.atomic_write``."""
+    return checkpoint.atomic_write(path, lambda f: f.write(json.dumps(history, indent=1).encode()))
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
