@@ -349,13 +349,13 @@ def ceiling_row(epochs: int, images, labels, sgd: bool = False) -> None:
     from torch.utils.data import TensorDataset
 
     from course.models import DigitsCNN
-    from tpu_helpers.train import make_loaders, make_optimizer, train_step
+    from tpu_helpers.train import builtin_optimizer, make_loaders, train_step
 
     config = _config(epochs, sgd)
     device = torch_xla.device()
     torch.manual_seed(config.seed)
     model = DigitsCNN().to(device)
-    optimizer = make_optimizer(config, model)
+    optimizer = builtin_optimizer(model.parameters(), config)
     train_set = TensorDataset(torch.from_numpy(images), torch.from_numpy(labels))
     loader, _ = make_loaders(train_set, None, config, world=1, rank=0)
     batches = [(x.to(device), y.to(device)) for x, y in loader]

@@ -448,3 +448,54 @@ def test_device_tensors_are_refused_by_the_pure_function():
     t = torch.zeros(2, dtype=torch.int64, device=torch_xla.device())
     with pytest.raises(TypeError, match="move the gathered tensors to the host first"):
         exactly_once(t, None, np.zeros(2))
+
+
+def _notebook_code(name: str, *defines: str) -> list[str]:
+    """The code cells of ``notebooks/<name>`` that define any of ``defines``, in order."""
+    import json
+
+    from conftest import REPO
+
+    cells = json.loads((REPO / "notebooks" / name).read_text())["cells"]
+    sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    return [s for s in sources if any(f"\ndef {d}(" in "\n" + s for d in defines)]
+
+
+def test_notebook_04_predict_by_hand_equals_predict(digits, xla_model):
+    """Notebook 04 runs only the gather loop its cells write (``predict_by_hand``, with the
+    ``#@save`` ``pack_ids``/``gather_step``); here it meets ``predict`` on the same loaders:
+    the same rows, in order, with the same logits, for every remainder the notebook uses."""
+    cells = _notebook_code("04_prediction_gathering.ipynb", "gather_step", "predict_by_hand")
+    assert len(cells) == 2, "notebook 04: one #@save gather cell, one predict_by_hand cell"
+    namespace = {"torch": torch, "exactly_once": exactly_once}
+    for source in cells:
+        exec(compile(source, "notebook-04", "exec"), namespace)
+    ds, _ = digits
+    _, model = xla_model
+    for n in (len(ds), len(ds) - 1, len(ds) - 3):  # 360, 359, 357: the notebook's SIZES
+        loader = make_eval_loader(torch.utils.data.Subset(ds, range(n)), 32)
+        mine = namespace["predict_by_hand"](model, loader, n)
+        theirs = predict(model, loader)
+        np.testing.assert_array_equal(mine.index, np.arange(n))
+        np.testing.assert_array_equal(mine.index, theirs.index)
+        np.testing.assert_array_equal(mine.values, theirs.values)
+
+
+def test_tensors_to_cpu_is_one_transfer_for_many_tensors():
+    """The toolkit's named wrapper of the private many-tensor copy: one transfer for all the
+    XLA tensors, in order, CPU tensors passed through untouched."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from tpu_helpers.predict import tensors_to_cpu
+
+    dev = torch_xla.device()
+    xla = [torch.arange(k, dtype=torch.float32).to(dev) * 2 for k in (3, 5, 7)]
+    host = torch.ones(2)
+    torch_xla.sync()
+    before = (met.metric_data("TransferFromDeviceTime") or [0])[0]
+    out = tensors_to_cpu([xla[0], host, xla[1], xla[2]])
+    assert (met.metric_data("TransferFromDeviceTime") or [0])[0] - before == 1
+    assert out[1] is host and all(t.device.type == "cpu" for t in out)
+    for got, k in zip([out[0], out[2], out[3]], (3, 5, 7), strict=True):
+        assert torch.equal(got, torch.arange(k, dtype=torch.float32) * 2)

@@ -1,6 +1,7 @@
 """Predictions from every replica, exactly once, in dataset order: the loop and the backends.
 
-Taught in ``notebooks/04_prediction_gathering.ipynb``; needs ``ordering.py``. ``predict`` runs
+Taught in ``notebooks/04_prediction_gathering.ipynb`` (its ``#@save`` cell is :func:`pack_ids`
+and :func:`gather_step`); needs ``ordering.py``. ``predict`` runs
 on every replica over full, padded batches ``(x, ..., index, mask)`` (``data.make_eval_loader``).
 Backends only move rows: :class:`XlaReplicas` (``xm.all_gather`` in the step graph),
 :class:`SpmdMesh` (shards as they are), :class:`TorchDistributedReplicas` (e.g. gloo). Bad
@@ -44,14 +45,36 @@ class Predictions:
     transfers_from_device: int  # device-to-host transfers during the loop
 
 
+def tensors_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy many XLA tensors to the host in ONE device-to-host transfer (CPU ones pass).
+
+    Why a private call: no public one does only this. ``t.cpu()`` is one transfer per tensor;
+    ``torch.cat(tensors).cpu()`` compiles a graph per count of tensors; ``xm.do_on_ordinals``
+    copies in one transfer but then joins a rendezvous (an ``all_gather`` graph and a read).
+    torch_xla's own ``xm.save``, ``xm.do_on_ordinals`` and ``xm.mesh_reduce`` copy through
+    ``_maybe_convert_to_cpu``, which calls ``torch_xla._XLAC._xla_get_cpu_tensors``
+    (torch_xla v2.9.0 and v2.8.0, ``torch_xla/core/xla_model.py``); this calls it directly."""
+    xla = [t for t in tensors if t.device.type == "xla"]
+    copies = iter(torch_xla._XLAC._xla_get_cpu_tensors(xla) if xla else [])
+    return [next(copies) if t.device.type == "xla" else t for t in tensors]
+
+
+def pack_ids(index, mask):
+    """``[B, 2]`` int32: each row's dataset index and mask, for one gather (TPU collectives
+    take int32)."""
+    return torch.stack([index.to(torch.int32), mask.to(torch.int32)], 1)
+
+
+def gather_step(out, ids):
+    """Every replica's rows of ``out`` and ``ids``, in rank order, traced into the step's
+    graph: the same shapes on every replica, so one graph (and no hang)."""
+    return [xm.all_gather(out, dim=0), xm.all_gather(ids, dim=0)]
+
+
 def _fetch_pairs(pending: list[list[torch.Tensor]]) -> Iterator[tuple[torch.Tensor, ...]]:
     """Every pending (out, ids) to the host; XLA tensors in ONE transfer."""
-    flat = [t for pair in pending for t in pair]
-    if flat and flat[0].device.type == "xla":  # (TorchDistributedReplicas: gathered on host)
-        # What xm.save uses inside. Measured: .cpu() per tensor is one transfer each, one
-        # .cpu() of a torch.cat compiles a graph per chunk shape; no public call does this.
-        flat = list(torch_xla._XLAC._xla_get_cpu_tensors(flat))
-    return ((flat[k].cpu(), flat[k + 1].cpu()) for k in range(0, len(flat), 2))
+    flat = tensors_to_cpu([t for pair in pending for t in pair])
+    return ((flat[k], flat[k + 1]) for k in range(0, len(flat), 2))
 
 
 class XlaReplicas:
@@ -64,8 +87,8 @@ class XlaReplicas:
     def device_batches(self, batches, x_dim):
         return pl.MpDeviceLoader(batches, self.device)
 
-    def gather_step(self, out, ids):  # same shapes everywhere; traced into the step graph
-        return [xm.all_gather(out, dim=0), xm.all_gather(ids, dim=0)]
+    def gather_step(self, out, ids):
+        return gather_step(out, ids)
 
     to_host = staticmethod(_fetch_pairs)
 
@@ -165,7 +188,7 @@ def pack_batch(batch: Any, step: int, batch_size: int | None) -> dict[str, torch
             "all_gather; pad and mask instead.")
     if rows and int(index.max()) >= 2**31 - 1:
         raise PredictionError(f"batch {step}: dataset index {int(index.max())} exceeds int32.")
-    return {"x": x, "ids": torch.stack([index.to(torch.int32), mask.to(torch.int32)], 1)}
+    return {"x": x, "ids": pack_ids(index, mask)}
 
 
 class _CheckedBatches:

@@ -1,19 +1,17 @@
 """Multi-core training the way upstream writes it: one per-replica :func:`fit`, read top to bottom.
 
-Taught in ``notebooks/03_multicore_training.ipynb`` (the loop is written in cells, then checked
-against :func:`fit` bit for bit). Needs ``checkpoint.py`` next to it. Also a script (on every
-worker of a TPU pod)::
+Taught in ``notebooks/03_multicore_training.ipynb`` (``#@save`` cells: :func:`make_train_loader`,
+:func:`train_step`, :func:`train_epoch`). Needs ``checkpoint.py``. A script for pod workers too::
 
     python -m tpu_helpers.train --epochs 3           # fake data, like upstream's --fake_data
     python -m tpu_helpers.train --data train.npz --eval-data test.npz --out-dir runs/a [--spmd]
 
 :func:`train` runs :func:`fit` under :func:`launch` (failures name the rank) or SPMD; options
-are :class:`Config` (the flags come from it). Your own pieces are keyword arguments of both:
-``model_fn()``, ``loss_fn(output, target)``, ``optimizer_fn(params, config)``,
-``scheduler_fn(optimizer, config)`` and the data as torch ``Dataset``s (or numpy arrays).
-``global_batch`` is the batch of one optimizer step over ALL replicas; each replica loads
-its ``per_replica_batch = global_batch // world_size``. Resuming from ``out_dir/checkpoints``
-continues bit for bit (weights, optimizer, schedule, data order, dropout).
+are :class:`Config` (the flags come from it); your pieces (``model_fn()``, ``loss_fn(output,
+target)``, ``optimizer_fn(params, config)``, ``scheduler_fn(optimizer, config)``, ``Dataset``s
+or numpy arrays) are keyword arguments of both. ``global_batch`` is one optimizer step's batch
+over ALL replicas (each loads ``global_batch // world_size``). A resume from ``out_dir/
+checkpoints`` continues bit for bit (weights, optimizer, schedule, data order, dropout).
 """
 
 from __future__ import annotations
@@ -127,7 +125,6 @@ class Net(nn.Module):
         return self.head(self.features(x))
 
 
-
 Data = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
 #: ``fit``'s data: a training ``Dataset`` of ``(x, y)`` items, or ``(x, y, eval_x, eval_y)``
 #: numpy arrays (eval ones may be None), or None (``config.data``, else fake data).
@@ -192,21 +189,9 @@ class _Masked(Dataset):
         return x, y, torch.tensor(i < self.n)
 
 
-def make_loaders(train_set: Dataset, eval_set: Dataset | None, config: Config, world: int,
-                 rank: int) -> tuple[DataLoader, DataLoader | None]:
-    """This replica's loaders: a shuffled shard in full per-replica batches (the same steps
-    and samples per step for any world size); an eval shard padded with masked rows to whole
-    batches (any size, any device count, each row once)."""
-    per_replica_batch = config.global_batch // world
-    # drop_last on the sampler too: every world size runs len(data) // global_batch steps of
-    # distinct samples (padding would repeat samples, sometimes into an extra step)
-    sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=config.seed,
-                                 drop_last=True)
-    train = DataLoader(train_set, batch_size=per_replica_batch, sampler=sampler,
-                       drop_last=True)
-    if len(train) == 0:
-        raise ValueError(f"{len(train_set)} samples over {world} replica(s) give no batch of "
-                         f"{per_replica_batch}: use a smaller global_batch")
+def make_loaders(train_set, eval_set, config, world, rank):
+    """:func:`make_train_loader`'s, and an eval shard padded with masked rows (each row once)."""
+    train = make_train_loader(train_set, config.global_batch, config.seed, world, rank)
     if eval_set is None:
         return train, None
     per = config.eval_global_batch // world
@@ -219,9 +204,22 @@ class TrainingDiverged(FloatingPointError):
     """The training loss became NaN or infinite (the error names the step and the lr)."""
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor, loss_fn: Callable[..., torch.Tensor] = F.cross_entropy
-               ) -> torch.Tensor:
+def make_train_loader(dataset, global_batch, seed, world_size, rank):
+    """This replica's shard: any world size runs ``len(dataset) // global_batch`` steps."""
+    if global_batch % world_size:
+        raise ValueError(f"global batch {global_batch} does not split over {world_size} replicas")
+    per_replica = global_batch // world_size
+    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed,
+                                 drop_last=True)  # no repeated samples, so no extra step
+    loader = DataLoader(dataset, batch_size=per_replica, sampler=sampler,
+                        drop_last=True)  # one batch shape: one graph
+    if len(loader) == 0:
+        raise ValueError(f"{len(dataset)} samples over {world_size} replica(s) give no batch "
+                         f"of {per_replica}: use a smaller global batch")
+    return loader
+
+
+def train_step(model, optimizer, x, y, loss_fn=F.cross_entropy):
     """One step; returns ``[loss_sum, correct, count]`` summed over replicas, on the device."""
     optimizer.zero_grad(set_to_none=True)
     output = model(x)
@@ -234,15 +232,27 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
     return xm.all_reduce(xm.REDUCE_SUM, stats)  # inside the step's graph: no extra compile
 
 
-def step_seed(seed: int, step: int, rank: int = 0) -> int:
+def step_seed(seed, step, rank=0):
     """Device RNG seed of ``step`` on ``rank``: a resumed run draws the same dropout masks."""
     return ((seed % 2**23) * 2**28 + step % 2**28) * 2**12 + rank % 2**12
 
 
-def evaluate(model: nn.Module, batches: Any,
-             loss_fn: Callable[..., torch.Tensor] = F.cross_entropy) -> torch.Tensor:
-    """``[loss_sum, correct, count]`` over the real (mask True) rows, summed over replicas.
-    ``loss_fn(output, target, reduction="none")`` gives per-row losses (as torch's do)."""
+def train_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
+                loss_fn=F.cross_entropy, totals=None):
+    """One pass; ``after_step(step, totals)`` logs, checkpoints, True stops; returns totals."""
+    totals = (torch.zeros(3) if totals is None else totals).to(torch_xla.device())
+    for x, y in batches:
+        step += 1
+        xm.set_rng_state(step_seed(seed, step, rank))  # dropout: the same masks on a resume
+        totals = totals + train_step(model, optimizer, x, y, loss_fn)
+        if after_step(step, totals):
+            break
+    return totals
+
+
+def evaluate(model, batches, loss_fn=F.cross_entropy):
+    """``[loss_sum, correct, count]`` of real (mask True) rows over replicas; per-row losses
+    from ``loss_fn(output, target, reduction="none")``."""
     model.eval()
     totals = torch.zeros(3).to(torch_xla.device())
     with torch.no_grad():
@@ -256,12 +266,8 @@ def evaluate(model: nn.Module, batches: Any,
     return totals
 
 
-def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
-    """The built-in optimizer ``config.optimizer`` (``fit``'s default ``optimizer_fn``)."""
-    return builtin_optimizer(model.parameters(), config)
-
-
 def builtin_optimizer(params: Any, config: Config) -> torch.optim.Optimizer:
+    """The built-in optimizer ``config.optimizer`` (``fit``'s default ``optimizer_fn``)."""
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -292,13 +298,10 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
         train_loader.sampler.set_epoch(run.epoch)
         loader = pl.MpDeviceLoader(itertools.islice(train_loader, run.batch, None), device,
                                    input_sharding=sharding)
-        totals, started, compiles = run.totals.to(device), time.perf_counter(), _compiles()
-        for x, y in loader:
-            xm.set_rng_state(step_seed(config.seed, run.step + 1, rank))
-            totals = totals + train_step(model, optimizer, x, y, loss_fn)
-            run.after_step(model, optimizer, totals, len(train_loader))
-            if run.step == run.last:
-                break
+        started, compiles = time.perf_counter(), _compiles()
+        totals = train_epoch(model, optimizer, loader, run.step,
+                             functools.partial(run.after_step, model, optimizer),
+                             config.seed, rank, loss_fn, run.totals)
         torch_xla.sync()
         if run.batch < len(train_loader):
             break  # stopped by max_steps inside the epoch (after_step checkpointed it)
@@ -381,11 +384,10 @@ class Run:
             self.settings["steps_per_epoch"]
         return min(left, self.config.max_steps or left)
 
-    def after_step(self, model: nn.Module, optimizer: Any, totals: torch.Tensor,
-                   steps_per_epoch: int) -> None:
-        """Count the step, queue the log read, checkpoint if due, step a per-step schedule."""
-        self.step, self.batch = self.step + 1, self.batch + 1
-        c = self.config
+    def after_step(self, model: nn.Module, optimizer: Any, step: int,
+                   totals: torch.Tensor) -> bool:
+        """:func:`train_epoch`'s after_step: log, checkpoint, schedule; True: the last step."""
+        self.step, self.batch, c = step, self.batch + 1, self.config
         if self.batch % c.log_every == 0:  # read after the step ran: no sync here
             xm.add_step_closure(self._log, args=(self.step, totals, _lr(optimizer)))
         if c.progress and self.master:
@@ -393,8 +395,9 @@ class Run:
         if self.scheduler is not None and c.scheduler_step == "step":
             self.scheduler.step()
         every = c.checkpoint_every and self.step % c.checkpoint_every == 0
-        if (every or self.step == self.last) and self.batch < steps_per_epoch:
+        if (every or self.step == self.last) and self.batch < self.settings["steps_per_epoch"]:
             self.save(model, optimizer, totals)  # mid-epoch (epoch ends save in end_epoch)
+        return self.step == self.last
 
     def _log(self, step: int, totals: torch.Tensor, lr: float) -> None:
         loss_sum, correct, count = totals.tolist()  # the loop's one device-to-host read
@@ -529,7 +532,6 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     if a.keys() != b.keys():
         raise ValueError(f"state dicts differ in keys: {sorted(set(a) ^ set(b))}")
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
 
 
 class ReplicaFailed(RuntimeError):
@@ -715,8 +717,7 @@ def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), *,
         shutil.rmtree(report_dir, ignore_errors=True)
 
 
-def _replica(rank: int, config: Config, data: AnyData, model_fn: Any,
-             hooks: dict[str, Any]) -> None:
+def _replica(rank, config, data, model_fn, hooks):
     fit(config, data, model_fn, **hooks)
 
 
@@ -739,7 +740,6 @@ def train(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module
     if "note" in history and history["runs"][-1].get("steps") == 0:
         warnings.warn(history["note"], RuntimeWarning, stacklevel=2)
     return history
-
 
 
 def parser() -> argparse.ArgumentParser:
