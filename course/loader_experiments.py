@@ -9,7 +9,6 @@ the two equal."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -30,30 +29,13 @@ from torch.utils.data import DataLoader
 
 from course.datasets import load_digits
 from course.models import DigitsCNN
+from course.setup import quiet_jax_notice
 from tpu_helpers.data import ArrayDataset
 from tpu_helpers.device_loader import Step, StrictDeviceLoader
 from tpu_helpers.metrics import snapshot, track
 from tpu_helpers.spmd import device_mesh
 
-
-class _NoJaxNotice(logging.Filter):
-    """Drops torch_xla 2.8's "requires jax/pallas" notice. Its profiler traces, which
-    ParallelLoader's threads enter for every batch, log it on the root logger each time when
-    jax is not installed (torch_xla/_internal/jax_workarounds.py, v2.8.0); the loaders need
-    no jax, and 2.9 no longer logs it there."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "requires jax/pallas" not in record.getMessage()
-
-
-def quiet_jax_notice() -> None:
-    """Install :class:`_NoJaxNotice` on the root logger (once; importing this module does)."""
-    root = logging.getLogger()
-    if not any(isinstance(f, _NoJaxNotice) for f in root.filters):
-        root.addFilter(_NoJaxNotice())
-
-
-quiet_jax_notice()
+quiet_jax_notice()  # its fresh processes (the 4-device demos) do not run setup_notebook
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ that the TPU opens, in a child process (:func:`check_tpu_opens`).
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 import signal
@@ -422,6 +423,24 @@ def _install(plan: SetupPlan, rt: Runtime, before: dict[str, str | None]) -> Non
         raise EnvironmentProblem("After the install, " + " ".join(problems))
 
 
+class _NoJaxNotice(logging.Filter):
+    """Drops torch_xla 2.8's "You are trying to use a feature that requires jax/pallas" notice.
+    Without jax installed, 2.8 logs it on Python's root logger at every profiler trace (which
+    ``pl.MpDeviceLoader``'s threads enter per batch, and ``xp.Trace`` per step) and every
+    ``xs.mark_sharding`` (``torch_xla/_internal/jax_workarounds.py``, v2.8.0); 2.9 asks without
+    logging (``maybe_get_jax(log=False)``). Nothing the course runs needs jax."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires jax/pallas" not in record.getMessage()
+
+
+def quiet_jax_notice() -> None:
+    """Install :class:`_NoJaxNotice` on the root logger, once (forked replicas inherit it)."""
+    root = logging.getLogger()
+    if not any(isinstance(f, _NoJaxNotice) for f in root.filters):
+        root.addFilter(_NoJaxNotice())
+
+
 def setup_notebook(install: bool = True, quiet: bool = False, check_tpu: bool = True) -> Runtime:
     """The notebooks' setup cell: idempotent, quiet, and it never breaks the platform.
 
@@ -436,9 +455,12 @@ def setup_notebook(install: bool = True, quiet: bool = False, check_tpu: bool = 
       (:func:`check_tpu_opens`) and raises with the fix if it does not open; without a TPU it
       says that this could not be checked (:data:`NO_TPU_CHECK`).
     * A kernel that already used the XLA device (a second "run all") is told to restart.
+    * torch_xla 2.8's per-call "requires jax/pallas" log line is filtered
+      (:func:`quiet_jax_notice`).
     """
     if runtime_initialized():
         raise EnvironmentProblem(RERUN_SENTENCE)
+    quiet_jax_notice()
     rt = detect_runtime()
     if rt.platform == "kaggle":
         pop_kaggle_launcher_vars()

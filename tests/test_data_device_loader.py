@@ -126,8 +126,9 @@ def test_loops_run_the_same_steps_without_recompiling(device):
 
 def test_mp_device_loader_logs_no_jax_notice_once_the_course_module_is_imported(device, caplog):
     """torch_xla 2.8 without jax logs "requires jax/pallas" for every batch through
-    ParallelLoader (its profiler traces); notebook 02 imports course.loader_experiments,
-    which filters that notice. (2.9 does not log it: the test passes there either way.)"""
+    ParallelLoader (its profiler traces); course.setup.quiet_jax_notice filters it (every
+    notebook's setup_notebook, and course.loader_experiments' fresh processes, call it).
+    (2.9 does not log it: the test passes there either way.)"""
     import logging
 
     import torch_xla.distributed.parallel_loader as pl
