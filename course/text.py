@@ -1,5 +1,5 @@
-"""Text for notebook 09: Tiny Shakespeare as one sample per speech, a byte-level tokenizer,
-and the tiny decoder-only language model (course code, not toolkit).
+"""Text for notebooks 09 and 10: Tiny Shakespeare as one sample per speech, a byte-level
+tokenizer, and the tiny decoder-only language model (course code, not toolkit).
 
 The tokenizer is the simplest that needs nothing downloaded: a token is one UTF-8 byte
 (vocabulary 256). Token 0 (NUL, absent from the text) pads. Every speech is checked on the
@@ -61,13 +61,20 @@ def load_speeches(max_tokens: int, path: str | Path | None = None) -> list[np.nd
     return [t for t in tokens if len(t) <= max_tokens]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention over ``[B, heads, L, head_dim]``: each token sees itself and
+    the tokens before it."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then an MLP. Padding sits after
-    the real tokens, so causal attention never lets a real token see it."""
+    the real tokens, so causal attention never lets a real token see it. ``attend`` computes
+    the attention (notebook 10 passes a flash-attention kernel on a TPU)."""
 
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, attend=causal_attention) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.attend = heads, attend
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
@@ -76,7 +83,7 @@ class Block(nn.Module):
         b, n, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.heads, d // self.heads).permute(
             2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        att = self.attend(q, k, v)
         x = x + self.proj(att.transpose(1, 2).reshape(b, n, d))
         return x + self.mlp(self.ln2(x))
 
@@ -84,13 +91,18 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """A decoder-only byte language model (nanoGPT's shape, tiny): logits ``[B, L, 256]``."""
 
-    def __init__(self, d: int = 64, layers: int = 2, heads: int = 4, max_len: int = 256):
+    def __init__(self, d: int = 64, layers: int = 2, heads: int = 4, max_len: int = 256,
+                 attend=causal_attention):
         super().__init__()
         self.tok, self.pos = nn.Embedding(VOCAB_SIZE, d), nn.Embedding(max_len, d)
-        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(Block(d, heads, attend) for _ in range(layers)))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, VOCAB_SIZE, bias=False)
         nn.init.normal_(self.head.weight, std=1 / math.sqrt(d))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        return self.head(self.ln(self.blocks(x)))
+        return self.head(self.ln(self.layers(x)))
+
+    def layers(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks, one after the other (notebook 10 overrides this: scan, checkpointing)."""
+        return self.blocks(x)
