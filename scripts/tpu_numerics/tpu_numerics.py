@@ -64,9 +64,15 @@ def _unannotated(t: torch.Tensor) -> torch.Tensor:
     A TPU rounds inside the dot: no convert op, nothing to annotate. Here the casts inherit
     their input's annotation, and torch_xla marks an unannotated input ``{replicated}`` after
     the first run, so step 2's graph would differ from step 1's: one extra compile that a TPU
-    does not have. Unannotated, the partitioner propagates the input's sharding as before."""
+    does not have. Unannotated, the partitioner propagates the input's sharding as before.
+
+    Only a real XLA tensor has an annotation: ``scan_layers`` traces its layer with
+    AOTAutograd on fake tensors whose device is ``xla`` (torch_xla/experimental/scan.py), and
+    asking a fake tensor for its sharding crashes the process. The rounding casts are still
+    traced into that graph, so the scanned layers round as the others do."""
+    from torch._subclasses.fake_tensor import is_fake
     from torch_xla import _XLAC  # (this module is imported by processes without torch_xla)
-    if _XLAC._get_xla_sharding_spec(t):
+    if not is_fake(t) and _XLAC._get_xla_sharding_spec(t):
         _XLAC._xla_clear_sharding(t)
     return t
 
@@ -237,7 +243,12 @@ def install() -> None:
     import torch_xla.backends  # noqa: F401  (fail here, not at the first matmul)
     _state["installed"] = True
     mode = _SurveyMode if os.environ.get("TPU_NUMERICS_OPS") == "1" else TpuNumericsMode
-    mode().__enter__()  # never exited: active for the life of the process
+    # Keep a Python reference to every pushed mode: the dispatch stack's own reference is
+    # handed over when code pops the modes for a while (torch's _disable_current_modes, e.g. in
+    # the preserve_rng_state of scan_layers' AOTAutograd trace), and a mode no one else holds
+    # is freed before it is pushed back: a segfault.
+    _state["modes"] = [mode()]
+    _state["modes"][0].__enter__()  # never exited: active for the life of the process
     _in_every_thread(mode)
     os.register_at_fork(after_in_child=_after_fork_in_child)
     atexit.register(_flush)
@@ -251,7 +262,8 @@ def _in_every_thread(mode: type) -> None:
 
     def _bootstrap_inner(self):
         if not _get_current_dispatch_mode_stack():
-            mode().__enter__()
+            _state["modes"].append(mode())
+            _state["modes"][-1].__enter__()
         return bootstrap(self)
 
     threading.Thread._bootstrap_inner = _bootstrap_inner
