@@ -23,6 +23,8 @@ COURSE = ["00_environment", "01_dataset_setup", "02_parallel_loader", "03_multic
           "07_model_sharding_spmd", "08_myths_and_facts",
           "09_transformers_variable_length", "10_bigger_than_one_chip"]
 
+pytestmark = pytest.mark.one_line  # the notebooks' format, budget and stderr checks
+
 
 def test_there_are_notebooks():
     assert NOTEBOOKS, "no notebooks found"

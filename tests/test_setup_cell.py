@@ -21,6 +21,8 @@ from pathlib import Path
 import notebook_template as tpl  # scripts/, on the path via conftest
 import pytest
 
+pytestmark = pytest.mark.one_line  # pip-installs this package with --no-deps: no torch_xla API
+
 REPO = Path(__file__).resolve().parent.parent
 
 #: Runs the setup cell ``argv[2]`` times in one IPython shell, counting `%pip` runs; prints a

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.one_line  # the lane runs on the 2.9 line only (Makefile test-tpu-numerics)
+
 LANE = REPO / "scripts" / "tpu_numerics"
 
 
