@@ -2,13 +2,14 @@
 
     python -m benchmarks.run_all                  # full run (under 10 minutes on 2 idle cores)
     python -m benchmarks.run_all --quick          # CI-sized (also with CI=true or SMOKE=1)
-    python -m benchmarks.run_all --only training  # a subset: training, loader, predict
+    python -m benchmarks.run_all --only training  # a subset: training, loader, predict, text
     python -m benchmarks.run_all --json out.json  # also save every row
 
 Runs ``benchmarks.bench_training.run`` (each training loop in its own process), then
-``benchmarks.bench_loader.run`` and ``benchmarks.bench_predict.run`` (in this process, on
-one XLA device), and prints the machine it ran on, one table, and each goal with whether
-this run met it. Every ratio compares numbers measured in the same run on the same machine.
+``benchmarks.bench_loader.run``, ``benchmarks.bench_predict.run`` and
+``benchmarks.bench_text.run`` (in this process, on one XLA device), and prints the machine
+it ran on, one table, and each goal with whether this run met it. Every ratio compares
+numbers measured in the same run on the same machine.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import bench_loader, bench_predict, bench_training
+from benchmarks import bench_loader, bench_predict, bench_text, bench_training
 from benchmarks._common import quick_mode
 
 BENCHMARKS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {
     "training": bench_training.run,
     "loader": bench_loader.run,
     "predict": bench_predict.run,
+    "text": bench_text.run,
 }
 
 COLUMNS = ["benchmark", "row", "steps/s", "min-max", "ratio", "vs ceiling", "compiles",
@@ -91,7 +93,33 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
                 "note": f"numpy peak {r['numpy_peak_MiB']} MiB for a {r['result_MiB']} MiB "
                         f"result, chunk {r['chunk_MiB']} MiB",
             })
+        elif kind == "text":
+            out.append(text_row(r))
     return out
+
+
+def text_row(r: dict[str, Any]) -> dict[str, str]:
+    """One row of bench_text (padding, precision or scan) in the common columns."""
+    row = {"benchmark": f"text {r['part']}", "row": r["name"], "steps/s": "", "min-max": "",
+           "ratio": "", "vs ceiling": "", "compiles": "", "transfers/step": "",
+           "exec/step": "", "CPU ms/step": "", "peak RSS MB": "", "note": ""}
+    if r["part"] == "padding":
+        row.update({"min-max": f"{r['min_rate']:.0f}-{r['max_rate']:.0f} tok/s",
+                    "ratio": f"{r['ratio_vs_pad_to_max']:.2f} x (b) tok/s",
+                    "compiles": f"{r['compiles_warmup']} + {r['compiles_after_warmup']} after",
+                    "note": f"{r['real_tokens_per_s']:.0f} real tok/s, padding "
+                            f"{r['padding_share']:.0%}, {r['steps_timed']} steps timed"})
+    elif r["part"] == "precision":
+        row.update({"min-max": f"{r['min_ms']:.1f}-{r['max_ms']:.1f} ms",
+                    "ratio": f"{r['ratio_vs_float32']:.2f} x float32 time",
+                    "compiles": str(r["compiles"]),
+                    "note": f"{r['ms_per_step']:.1f} ms/step, {r['bytes_per_param']:.1f} "
+                            "bytes/param (weights+grads+AdamW)"})
+    else:
+        row.update({"ratio": f"{r['ratio_vs_loop']:.2f} x loop", "compiles": str(r["compiles"]),
+                    "note": f"first call {r['first_call_s']:.1f} s, XLA compile "
+                            f"{r['compile_s']:.1f} s"})
+    return row
 
 
 def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
@@ -121,7 +149,23 @@ def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
     for r in rows:
         if r.get("benchmark") == "predict" and "ok" in r:
             result.append((f"predict: {r['case']}", bool(r["ok"])))
-    return result
+    return result + text_goals(rows)
+
+
+def text_goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """Issue 21's goals for length buckets, from bench_text's padding rows."""
+    pad = {r["key"]: r for r in rows if r.get("benchmark") == "text" and r["part"] == "padding"}
+    if "c" not in pad:
+        return []
+    c = pad["c"]
+    compiles = c["compiles_warmup"] + c["compiles_after_warmup"]
+    return [
+        (f"text: buckets / pad-to-max real tokens/s = {c['ratio_vs_pad_to_max']:.2f} >= 1.3",
+         c["ratio_vs_pad_to_max"] >= 1.3),
+        (f"text: buckets compile {compiles} times == {c['buckets']} buckets",
+         compiles == c["buckets"]),
+        ("text: buckets 0 compiles after warm-up", c["compiles_after_warmup"] == 0),
+    ]
 
 
 ROW_SHORT = {"a": "(a) article's loop", "b": "(b) upstream pattern (SGD)", "c": "(c) Lightning",

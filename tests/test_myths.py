@@ -150,3 +150,51 @@ def test_xla_compiles_once_per_shape_and_each_item_is_a_transfer():
     before = count("TransferFromDeviceTime")
     _ = [loss.item() for loss in losses]
     assert count("TransferFromDeviceTime") - before == len(losses)  # one per .item()
+
+
+XLA_USE_BF16_PROBE = r"""
+import json, torch, torch_xla
+t = torch.tensor([1.0 + 2 ** -10]).to(torch_xla.device())  # exact in float32, not in bfloat16
+hlo = torch_xla._XLAC._get_xla_tensors_text([t * 1])
+print(json.dumps({"dtype": str(t.dtype), "value": t.cpu().item(),
+                  "stored_bf16": "bf16[1]" in hlo and "f32[1]" not in hlo}))
+"""
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_xla_use_bf16_is_deprecated_and_silently_stores_float32_as_bfloat16(flag):
+    """Notebook 08's table row "`XLA_USE_BF16=1` is how to use bfloat16". On 2.8 and 2.9 the
+    variable still works (torch_xla/csrc/dtype.cpp, v2.8.0 and v2.9.0): it prints a deprecation
+    notice on stdout and stores every float32 tensor as bfloat16 while ``dtype`` still says
+    float32: pure-bfloat16 weights in disguise. Autocast is the replacement (notebook 09)."""
+    env = {**os.environ, "XLA_USE_BF16": flag, "PJRT_DEVICE": "CPU", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    out = subprocess.run([sys.executable, "-c", XLA_USE_BF16_PROBE], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["dtype"] == "torch.float32"  # what the tensor says, with or without the flag
+    notice = "XLA_USE_BF16 will be deprecated after the 2.6 release"
+    if flag == "1":
+        assert notice in out.stdout
+        assert result["stored_bf16"] and result["value"] == 1.0  # 1 + 2**-10 rounded away
+    else:
+        assert notice not in out.stdout
+        assert not result["stored_bf16"] and result["value"] == 1.0 + 2 ** -10
+
+
+def test_bfloat16_needs_no_loss_scaling_float16_does():
+    """Notebook 08's myth "bfloat16 needs loss scaling": a 1e-30 gradient underflows to 0 in
+    float16 but not in bfloat16 (float32's exponent range); autocast on XLA, no GradScaler."""
+    import torch
+    import torch_xla
+
+    grad = torch.tensor(1e-30)
+    assert grad.half().item() == 0.0 and grad.bfloat16().item() > 0
+    assert torch.finfo(torch.bfloat16).tiny == torch.finfo(torch.float32).tiny
+    w = torch.ones(8, 8).to(torch_xla.device()).requires_grad_()
+    x = torch.full((2, 8), 1e-30).to(torch_xla.device())
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        out = x @ w
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    assert w.grad.min().item() > 0
