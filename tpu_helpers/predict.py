@@ -2,7 +2,10 @@
 
 Taught in ``notebooks/04_prediction_gathering.ipynb`` (its ``#@save`` cell is :func:`pack_ids`
 and :func:`gather_step`); needs ``ordering.py``. ``predict`` runs
-on every replica over full, padded batches ``(x, ..., index, mask)`` (``data.make_eval_loader``).
+on every replica over full, padded batches ``(x, ..., index, mask)`` (``data.make_eval_loader``;
+the model gets ``x``) or dicts ``{"tokens" [B, L], "mask" [B, L], "index" [B]}`` (length
+buckets, ``buckets.BucketEvalSampler`` + ``collate``: index -1 marks a padding row; the model
+gets ``(tokens, mask)``; ``L`` may change per step: one compile per bucket).
 Backends only move rows: :class:`XlaReplicas` (``xm.all_gather`` in the step graph),
 :class:`SpmdMesh` (shards as they are), :class:`TorchDistributedReplicas` (e.g. gloo). Bad
 input raises :class:`PredictionError` on the host, naming the step and indices, before its
@@ -111,6 +114,7 @@ class SpmdMesh:
 
     def device_batches(self, batches, x_dim):
         sharding = {"x": xs.ShardingSpec(self.mesh, self._spec(x_dim)),
+                    "mask": xs.ShardingSpec(self.mesh, self._spec(x_dim)),  # dict batches
                     "ids": xs.ShardingSpec(self.mesh, self._spec(2))}
         return pl.MpDeviceLoader(batches, self.device, input_sharding=sharding)
 
@@ -163,14 +167,39 @@ def _describe(obj: Any) -> str:
             if isinstance(obj, torch.Tensor) else f"a {type(obj).__name__}")
 
 
+def _unpack_dict(batch: dict, step: int) -> tuple[Any, Any, Any, Any]:
+    """``(tokens, index, row mask, token mask)`` of a length-bucket batch (``collate``'s)."""
+    tokens, mask, index = (batch.get(k) for k in ("tokens", "mask", "index"))
+    if not (isinstance(tokens, torch.Tensor) and tokens.dim() == 2
+            and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+            and mask.shape == tokens.shape and isinstance(index, torch.Tensor)
+            and index.dim() == 1 and index.dtype in (torch.int64, torch.int32)
+            and index.shape[0] == tokens.shape[0]):
+        got = ", ".join(f"{k}: {_describe(batch.get(k))}" for k in ("tokens", "mask", "index"))
+        raise PredictionError(f"batch {step}: a dict batch needs tokens [B, L], mask bool "
+                              f"[B, L] and index int64 [B] (buckets.collate); got {got}.")
+    rows = index >= 0
+    if bool((index < -1).any()) or bool((rows & ~mask.any(1)).any()):
+        bad = int(index[(index < -1) | (rows & ~mask.any(1))][0])
+        raise PredictionError(f"batch {step}: row with index {bad} is not a sample (no real "
+                              "token) nor a padding row (index -1).")
+    return tokens, index, rows, mask
+
+
 def pack_batch(batch: Any, step: int, batch_size: int | None) -> dict[str, torch.Tensor]:
-    """Check one host batch ``(x, ..., index, mask)`` (``batch_size`` None: batch 0's); pack
-    index and mask as one int32 ``ids [B, 2]`` (one gather; TPU collectives take int32)."""
-    if not isinstance(batch, tuple | list) or len(batch) < 3:
+    """Check one host batch ``(x, ..., index, mask)`` or ``{"tokens", "mask", "index"}``
+    (``batch_size`` None: batch 0's); pack index and row mask as one int32 ``ids [B, 2]``
+    (one gather; TPU collectives take int32)."""
+    tokens_mask = None
+    if isinstance(batch, dict):
+        x, index, mask, tokens_mask = _unpack_dict(batch, step)
+    elif not isinstance(batch, tuple | list) or len(batch) < 3:
         raise PredictionError(
             f"batch {step} is {_describe(batch)} without dataset indices: predict needs "
-            "batches (x, ..., index, mask) (tpu_helpers.data.make_eval_loader).")
-    x, index, mask = batch[0], batch[-2], batch[-1]
+            "batches (x, ..., index, mask) (tpu_helpers.data.make_eval_loader) or dicts "
+            "tokens, mask, index (tpu_helpers.buckets.collate).")
+    else:
+        x, index, mask = batch[0], batch[-2], batch[-1]
     if not (isinstance(index, torch.Tensor) and index.dtype in (torch.int64, torch.int32)
             and index.dim() == 1 and isinstance(mask, torch.Tensor)
             and mask.dtype == torch.bool and mask.shape == index.shape):
@@ -188,7 +217,8 @@ def pack_batch(batch: Any, step: int, batch_size: int | None) -> dict[str, torch
             "all_gather; pad and mask instead.")
     if rows and int(index.max()) >= 2**31 - 1:
         raise PredictionError(f"batch {step}: dataset index {int(index.max())} exceeds int32.")
-    return {"x": x, "ids": pack_ids(index, mask)}
+    packed = {"x": x, "ids": pack_ids(index, mask)}
+    return packed if tokens_mask is None else {**packed, "mask": tokens_mask}
 
 
 class _CheckedBatches:
@@ -210,7 +240,8 @@ class _CheckedBatches:
         try:
             for step, batch in enumerate(self.loader):
                 packed = pack_batch(batch, step, self.rows)
-                self.first_indices[step] = batch[-2][batch[-1]][:4].tolist()
+                ids = packed["ids"]
+                self.first_indices[step] = ids[:, 0][ids[:, 1] != 0][:4].tolist()
                 self.first_indices.pop(step - 256, None)  # MpDeviceLoader runs < 30 ahead
                 yield packed
         except Exception as exc:
@@ -257,7 +288,7 @@ def _run(model, backend, batches: _CheckedBatches, sink, opts, keep: bool) -> No
         if len(pending) >= chunk_steps:
             _collect(sink, backend.to_host(pending))
             pending = []
-        out = model(batch["x"])
+        out = model(batch["x"], batch["mask"]) if "mask" in batch else model(batch["x"])
         # Checked at trace time, before the step's graph compiles.
         if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != batches.rows:
             raise PredictionError(

@@ -9,9 +9,11 @@ Taught in ``notebooks/03_multicore_training.ipynb`` (``#@save`` cells: :func:`ma
 :func:`train` runs :func:`fit` under :func:`launch` (failures name the rank) or SPMD; options
 are :class:`Config` (the flags come from it); your pieces (``model_fn()``, ``loss_fn(output,
 target)``, ``optimizer_fn(params, config)``, ``scheduler_fn(optimizer, config)``, ``Dataset``s
-or numpy arrays) are keyword arguments of both. ``global_batch`` is one optimizer step's batch
-over ALL replicas (each loads ``global_batch // world_size``). A resume from ``out_dir/
-checkpoints`` continues bit for bit (weights, optimizer, schedule, data order, dropout).
+or numpy arrays, ``loaders_fn``) are keyword arguments of both. ``global_batch`` is one
+optimizer step's batch over ALL replicas (each loads ``global_batch // world_size``). A resume
+from ``out_dir/checkpoints`` continues bit for bit (weights, optimizer, schedule, data order,
+dropout). Text of any length: a ``loaders_fn`` giving dict batches (``buckets.py``'s samplers +
+``collate``; not imported here) trains ``model(tokens, mask)`` with ``loss_fn(output, batch)``.
 """
 
 from __future__ import annotations
@@ -237,6 +239,41 @@ def step_seed(seed, step, rank=0):
     return ((seed % 2**23) * 2**28 + step % 2**28) * 2**12 + rank % 2**12
 
 
+def dict_stats(model: nn.Module, batch: dict[str, torch.Tensor],
+               loss_fn: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dict batch's ``loss`` and ``[loss_sum, correct, count]``: ``loss_fn(model(tokens,
+    mask), batch)`` returns the mean loss (count: real rows, index >= 0) or ``(loss, correct,
+    count)``; padding rows (index -1, mask False) must add nothing to the loss."""
+    out = loss_fn(model(batch["tokens"], batch["mask"]), batch)
+    rows = (batch["index"] >= 0).sum()
+    loss, correct, count = out if isinstance(out, tuple) else (out, torch.zeros_like(out), rows)
+    count = torch.as_tensor(count).to(loss.dtype)
+    return loss, torch.stack([loss.detach() * count, torch.as_tensor(correct).to(loss), count])
+
+
+def dict_step(model, optimizer, batch, loss_fn):
+    """:func:`train_step` for a dict batch (no tensor but the totals outlives it: the step
+    ending an epoch then has the graph of the others)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, stats = dict_stats(model, batch, loss_fn)
+    loss.backward()
+    xm.optimizer_step(optimizer)
+    return xm.all_reduce(xm.REDUCE_SUM, stats)
+
+
+def dict_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
+               loss_fn=F.cross_entropy, totals=None):
+    """:func:`train_epoch` over dict batches (length buckets), with :func:`dict_stats`."""
+    totals = (torch.zeros(3) if totals is None else totals).to(torch_xla.device())
+    for batch in batches:
+        step += 1
+        xm.set_rng_state(step_seed(seed, step, rank))
+        totals = totals + dict_step(model, optimizer, batch, loss_fn)
+        if after_step(step, totals):
+            break
+    return totals
+
+
 def train_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
                 loss_fn=F.cross_entropy, totals=None):
     """One pass; ``after_step(step, totals)`` logs, checkpoints, True stops; returns totals."""
@@ -256,7 +293,12 @@ def evaluate(model, batches, loss_fn=F.cross_entropy):
     model.eval()
     totals = torch.zeros(3).to(torch_xla.device())
     with torch.no_grad():
-        for x, y, mask in batches:
+        for batch in batches:
+            if isinstance(batch, dict):  # length buckets
+                totals = totals + xm.all_reduce(xm.REDUCE_SUM, dict_stats(model, batch,
+                                                                          loss_fn)[1])
+                continue
+            x, y, mask = batch
             output, m = model(x), mask.float()
             loss = loss_fn(output, y, reduction="none")
             stats = torch.stack([(loss * m).sum(), ((output.argmax(1) == y) & mask).sum().float(),
@@ -277,14 +319,19 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
         eval_data: Dataset | None = None,
         loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
         optimizer_fn: Callable[[Any, Config], torch.optim.Optimizer] = builtin_optimizer,
-        scheduler_fn: Callable[[Any, Config], Any] | None = None) -> dict[str, Any]:
+        scheduler_fn: Callable[[Any, Config], Any] | None = None,
+        loaders_fn: Callable[..., tuple[Any, Any]] = make_loaders) -> dict[str, Any]:
     """Train in THIS replica (call it in ``torch_xla.launch``'s function, or once under
-    SPMD); returns the history. Checkpoints go to ``config.out_dir`` if it is set."""
+    SPMD); returns the history. Checkpoints go to ``config.out_dir`` if it is set.
+    ``loaders_fn(train_set, eval_set, config, world, rank)`` gives (train, eval) loaders."""
     device = torch_xla.device()
     world, rank, devices = _layout(config)
     _enable_cache(config.compile_cache, rank)
     train_set, eval_set = _datasets(data, eval_data, config)
-    train_loader, eval_loader = make_loaders(train_set, eval_set, config, world, rank)
+    train_loader, eval_loader = loaders_fn(train_set, eval_set, config, world, rank)
+    epoch_fn = dict_epoch if isinstance(next(iter(train_loader), None), dict) else train_epoch
+    if config.spmd and epoch_fn is dict_epoch:
+        raise ValueError("dict (length-bucket) batches are not supported with spmd=True yet")
     torch.manual_seed(config.seed)
     model = model_fn().to(device)
     if world > 1:  # v2/v3 run replicas as threads sharing one RNG: start from rank 0's weights
@@ -295,11 +342,13 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
     run = start(config, _settings(config, world, devices, len(train_loader), len(train_set)),
                 model, optimizer, scheduler)
     while run.epoch < config.epochs and run.step < run.last:
-        train_loader.sampler.set_epoch(run.epoch)
+        sampler = getattr(train_loader.batch_sampler, "set_epoch", None) and \
+            train_loader.batch_sampler  # a length-bucket batch_sampler, else DistributedSampler
+        (sampler or train_loader.sampler).set_epoch(run.epoch)
         loader = pl.MpDeviceLoader(itertools.islice(train_loader, run.batch, None), device,
                                    input_sharding=sharding)
         started, compiles = time.perf_counter(), _compiles()
-        totals = train_epoch(model, optimizer, loader, run.step,
+        totals = epoch_fn(model, optimizer, loader, run.step,
                              functools.partial(run.after_step, model, optimizer),
                              config.seed, rank, loss_fn, run.totals)
         torch_xla.sync()
