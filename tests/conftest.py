@@ -56,6 +56,31 @@ def repo() -> Path:
     return REPO
 
 
+def gloo_ranks(worker: str, world: int, folder: Path, *args: str,
+               timeout: float = 240) -> list[dict]:
+    """Run ``worker`` (Python source) as ``world`` real processes, each given its rank, the
+    world size, ``folder`` and ``args``; each writes ``folder/report-<rank>.json``. Fails
+    naming the rank that failed; returns the reports in rank order."""
+    import json
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(worker), str(r), str(world),
+                               str(folder), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, text) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {r} failed:\n{text[-3000:]}"
+    return [json.loads((folder / f"report-{r}.json").read_text()) for r in range(world)]
+
+
 def kill_mid_write(folder: Path, code: str, *, ready: str, min_bytes: int,
                    marker: str = ".tmp-") -> tuple[subprocess.Popen[str], list[Path]]:
     """Run ``code`` (argv[1] = ``folder``); once it prints ``ready`` and a temp file

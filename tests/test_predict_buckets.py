@@ -7,14 +7,10 @@ buckets.py: it reads the batches' keys (each copy unit still stands alone)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
-from conftest import REPO, run_python
+from conftest import REPO, gloo_ranks, run_python
 
 COMMON = """
 import numpy as np, torch
@@ -104,20 +100,7 @@ dist.destroy_process_group()
 @pytest.mark.slow
 def test_three_processes_score_bucketed_samples_exactly_once(tmp_path):
     world = 3
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), str(r),
-                               str(world), str(tmp_path)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{text[-3000:]}"
-    reports = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in range(world)]
+    reports = gloo_ranks(WORKER, world, tmp_path)
     print([{k: v for k, v in r.items() if k != "index"} for r in reports])
     assert all(r["widths"] == reports[0]["widths"] for r in reports)  # same bucket per step
     assert sorted(set(reports[0]["widths"])) == [16, 32, 64]

@@ -11,16 +11,12 @@ code is the same as under ``torch_xla.launch`` on a TPU (only ``xm.all_gather`` 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, run_python
+from conftest import gloo_ranks, run_python
 
 CASES = [(360, 16), (37, 4), (2, 8), (1, 1)]  # (n, batch): n prime, n < world, n = 1
 
@@ -114,24 +110,7 @@ dist.destroy_process_group()
 @pytest.mark.slow
 def test_three_real_processes_gather_exactly_once_in_order(tmp_path):
     world = 3
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",
-           "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), str(r),
-                               str(world), str(tmp_path), json.dumps(CASES)],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{text[-3000:]}"
-    reports = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in range(world)]
+    reports = gloo_ranks(WORKER, world, tmp_path, json.dumps(CASES))
     assert [r["world"] for r in reports] == [world] * world
     full = expected_logits(360)
     for n, batch in CASES:
