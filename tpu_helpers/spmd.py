@@ -222,6 +222,21 @@ def _swap_into_place(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def xla_storage_writer(directory: str | os.PathLike[str]) -> dist_cp.FileSystemWriter:
+    """``dist_cp.FileSystemWriter(directory, per_thread_copy_ahead=0)``: the writer to pass to
+    ``dist_cp.save`` for XLA tensors, as torch_xla's own ``CheckpointManager`` does
+    (``experimental/distributed_checkpoint/manager.py``, v2.8.0 and v2.9.0).
+
+    With jax importable, ``xs.mark_sharding`` imports the ``torchax`` that ships inside the
+    torch_xla wheel (``maybe_get_torchax``), which renames torch's ``privateuse1`` backend to
+    ``"jax"`` and registers a device module without streams. The default writer then picks
+    torch's ``_OverlappingCpuLoader`` (any available ``privateuse1`` device) and fails:
+    ``module 'torchax.device_module' has no attribute 'current_stream'`` (torch_xla 2.8 with
+    jax, Kaggle's image; 2.9 with jax and flax, Colab's). ``per_thread_copy_ahead=0`` takes the
+    serial loader, which copies each tensor to the host the same way (``.cpu()``)."""
+    return dist_cp.FileSystemWriter(directory, per_thread_copy_ahead=0)
+
+
 def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str],
                             storage: str = "shared") -> Path:
     """``dist_cp.save`` (``SPMDSavePlanner``, no gather) into a temporary folder renamed onto
@@ -249,7 +264,7 @@ def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
     error = None
     try:
         with _quiet():
-            dist_cp.save(state_dict=dict(state_dict), storage_writer=dist_cp.FileSystemWriter(tmp),
+            dist_cp.save(state_dict=dict(state_dict), storage_writer=xla_storage_writer(tmp),
                          planner=SPMDSavePlanner(), no_dist=not together)
         if lead:
             _check_folder(tmp, _SafeReader(tmp).read_metadata(), shared=together)
