@@ -36,7 +36,8 @@ def test_the_proof_rule_needs_the_kernel_and_jax_in_every_process():
     assert "no proof file from the notebook's kernel" in verdict([child])
     assert "no proof file from the notebook's kernel" in verdict([])
     lost = {**child, "jax_origin": None}
-    assert "jax was not importable in 1 process(es): pid 2 python -c work" in verdict([KERNEL, lost])
+    assert ("jax was not importable in 1 process(es): pid 2 python -c work"
+            in verdict([KERNEL, lost]))
     assert "jax was not importable" in verdict([{**KERNEL, "jax_origin": None}])
 
 

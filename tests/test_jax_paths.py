@@ -67,7 +67,10 @@ def torchax_expected(out: dict) -> bool:
 def test_mark_sharding_imports_torchax_which_renames_privateuse1_but_annotates_the_same():
     out = probe("""
 records = []
-logging.getLogger().addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger().addHandler(Keep())
 before = torch._C._get_privateuse1_backend_name()
 t = torch.zeros(8, 4, device=dev)
 xs.mark_sharding(t, mesh, ("fsdp", None))
