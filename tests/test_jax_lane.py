@@ -23,6 +23,8 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "scripts" / "jax_lane"))
 from jax_lane import verdict  # noqa: E402
 
+pytestmark = pytest.mark.one_line  # in the main lines: the pure rule only (once); the lane runs all
+
 LANE = REPO / "scripts" / "jax_lane"
 IN_LANE = os.environ.get("JAX_LANE") == "1"
 

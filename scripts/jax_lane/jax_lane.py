@@ -12,6 +12,12 @@ proof files (``scripts/jax_lane/sitecustomize.py``) into ``$JAX_LANE_DIR/<notebo
 the notebook ran, the test fails unless its kernel process found jax on its path, and if any of
 its processes did not: a lane whose overlay silently dropped out would otherwise pass without
 jax. The terminal summary lists, per notebook, the processes and which took the jax path.
+
+The lane's own artifact (not a platform's): on a host without TPU chips jax's backend start sets
+``TPU_SKIP_MDS_QUERY=1`` (``jax/_src/cloud_tpu_init.py``, jax 0.7.2), so torch_xla's
+``_internal/tpu.py`` ``version()`` then reads ``TPU_ACCELERATOR_TYPE`` (unset: ``TypeError``),
+which Lightning 2.6's ``XLAAccelerator.is_available`` does not catch. A TPU host has chips, so
+jax leaves the variable alone there. No notebook of this lane uses Lightning.
 """
 
 from __future__ import annotations
