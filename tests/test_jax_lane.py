@@ -25,7 +25,6 @@ from jax_lane import verdict  # noqa: E402
 
 pytestmark = pytest.mark.one_line  # in the main lines: the pure rule only (once); the lane runs all
 
-LANE = REPO / "scripts" / "jax_lane"
 IN_LANE = os.environ.get("JAX_LANE") == "1"
 
 KERNEL = {"pid": 1, "argv": ["python", "-m", "ipykernel_launcher", "-f"],
