@@ -106,3 +106,84 @@ class TinyGPT(nn.Module):
     def layers(self, x: torch.Tensor) -> torch.Tensor:
         """The blocks, one after the other (notebook 10 overrides this: scan, checkpointing)."""
         return self.blocks(x)
+
+
+# ------------------------------------------------------------------ flash attention's shapes
+# Notebook 10 can use torch_xla's Pallas flash-attention kernel (opt-in, a TPU with jax only).
+# torch_xla 2.8/2.9 call jax's kernel functions with their own block sizes and skip jax's
+# public shape checks ("Then we lose all the shape checks", custom_kernel.py v2.8.0 l.356,
+# v2.9.0 l.357), so a shape the kernel cannot take fails deep inside jax, if at all. These
+# functions check a shape first and name the rule. Read from source:
+#   torch_xla/experimental/custom_kernel.py (pytorch/xla): FlashAttention.MIN_BLOCK_SIZE and
+#     DEFAULT_BLOCK_SIZES at v2.8.0 l.752-768, v2.9.0 l.753-769; the forward takes
+#     min(block, L) per block and pads k/v to a multiple of min(512, L) (v2.8.0 l.330-335 and
+#     l.369-372, v2.9.0 l.331-336 and l.370-373); the backward takes min(block, L) for the dq
+#     blocks (v2.8.0 l.557-562, v2.9.0 l.558-563) and the dkv blocks (v2.8.0 l.605-614,
+#     v2.9.0 l.606-615) and pads nothing.
+#   jax 0.7.2 jax/experimental/pallas/ops/tpu/flash_attention.py: _verify_block (l.1707-1715:
+#     a block must not exceed its dimension and must divide it) called by the forward
+#     (l.606-609; block_q need not divide), the dkv backward (l.963-966) and the dq backward
+#     (l.1308-1310); the backward kernels repeat [rows, 128] statistics block_k // 128 times
+#     (l.895-911, l.1228-1243), so their kv blocks must be multiples of 128; the forward's
+#     multi-block kernel (L > 512) needs head_dim below 128 or a multiple of 128 (l.455-463).
+# tests/test_text_model.py checks the constants against the installed torch_xla and, with jax
+# importable, the rule against jax's own kernel code (traced, no TPU needed).
+
+#: torch_xla's ``FlashAttention.DEFAULT_BLOCK_SIZES`` (v2.8.0 and v2.9.0, the same values).
+FLASH_BLOCKS = {"block_q": 512, "block_k_major": 512, "block_k": 512, "block_b": 2,
+                "block_q_major_dkv": 512, "block_k_major_dkv": 512, "block_q_dkv": 512,
+                "block_k_dkv": 512, "block_q_dq": 1024, "block_k_dq": 256,
+                "block_k_major_dq": 512}
+#: torch_xla's ``FlashAttention.MIN_BLOCK_SIZE`` (jax's ``MIN_BLOCK_SIZE``, ``NUM_LANES``).
+FLASH_MIN_BLOCK = 128
+#: The rule in one sentence, as the refusal states it.
+FLASH_RULE = ("torch_xla 2.8/2.9's flash_attention (jax's Pallas TPU kernel) takes q, k, v of "
+              "one shape [batch, heads, L, head_dim]; to train (backward) L must be 128, 256, "
+              "512 or a multiple of 1024; without backward any L; head_dim below 128 or a "
+              "multiple of 128 when L > 512; batch divisible by the mesh axis it is split over")
+#: The backward's blocks over the sequence and whether each is a kv block (a multiple of 128).
+_BACKWARD_BLOCKS = (("block_q_dq", False), ("block_k_major_dq", False), ("block_k_dq", True),
+                    ("block_q_major_dkv", False), ("block_q_dkv", False),
+                    ("block_k_major_dkv", False), ("block_k_dkv", True))
+
+
+class FlashShapeError(ValueError):
+    """A q/k/v shape the flash-attention kernel cannot take; the message names the rule."""
+
+
+def flash_attention_problem(shape, *, backward: bool = True, batch_shards: int = 1) -> str | None:
+    """Why torch_xla's flash attention cannot take q/k/v of ``shape`` ([batch, heads, L,
+    head_dim], split over ``batch_shards`` devices along batch), or None if it can. Pure:
+    shapes and integers in, a sentence out (the sources are listed above)."""
+    shape = tuple(int(n) for n in shape)
+    if len(shape) != 4:
+        return f"shape {shape} is not [batch, heads, L, head_dim]"
+    batch, _, length, head_dim = shape
+    if batch % batch_shards:
+        return f"batch {batch} does not split evenly over {batch_shards} devices"
+    if length > FLASH_BLOCKS["block_k"] and head_dim >= FLASH_MIN_BLOCK and (
+            head_dim % FLASH_MIN_BLOCK):
+        return (f"head_dim {head_dim} is neither below {FLASH_MIN_BLOCK} nor a multiple of it "
+                f"(the forward's multi-block kernel, L {length} > {FLASH_BLOCKS['block_k']})")
+    if not backward:
+        return None
+    for name, is_kv_block in _BACKWARD_BLOCKS:
+        block = min(FLASH_BLOCKS[name], length)
+        if length % block:
+            return (f"the backward's {name} = min({FLASH_BLOCKS[name]}, L) = {block} does not "
+                    f"divide L {length}")
+        if is_kv_block and block % FLASH_MIN_BLOCK:
+            return (f"the backward's kv block {name} = min({FLASH_BLOCKS[name]}, L) = {block} is "
+                    f"not a multiple of {FLASH_MIN_BLOCK}")
+    return None
+
+
+def check_flash_attention_shape(shape, *, backward: bool = True, batch_shards: int = 1) -> None:
+    """Raise :class:`FlashShapeError` naming the shape, the failing block and the rule if
+    flash attention cannot take ``shape``; return None if it can."""
+    problem = flash_attention_problem(shape, backward=backward, batch_shards=batch_shards)
+    if problem:
+        raise FlashShapeError(f"flash attention refuses q/k/v of shape {tuple(shape)}"
+                              f"{' with backward' if backward else ''}: {problem}. Rule: "
+                              f"{FLASH_RULE}. Use plain attention (FLASH_ATTENTION = False) "
+                              "or lengths the rule allows.")
