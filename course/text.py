@@ -8,7 +8,13 @@ host: bytes that are not UTF-8 are a :class:`TextError` naming the speech's inde
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -187,3 +193,73 @@ def check_flash_attention_shape(shape, *, backward: bool = True, batch_shards: i
                               f"{' with backward' if backward else ''}: {problem}. Rule: "
                               f"{FLASH_RULE}. Use plain attention (FLASH_ATTENTION = False) "
                               "or lengths the rule allows.")
+
+
+
+# ------------------------------------------------------- what FSDPv2's compiled step contains
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_COLLECTIVE_OP = re.compile(r"= \S+ (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Collective operations in an HLO module's text, per kind (async ``-start`` halves count
+    once, their ``-done`` not at all)."""
+    found = Counter(_COLLECTIVE_OP.findall(hlo_text))
+    return {kind: found.get(kind, 0) for kind in COLLECTIVES}
+
+
+def fsdp_step_collectives(width: int, layers: int, heads: int, length: int, rows: int,
+                          devices: int = 4, timeout: float = 300) -> dict[str, int]:
+    """The collectives XLA's SPMD partitioner compiled into one FSDPv2 training step of
+    :class:`TinyGPT` (forward, backward, AdamW) over ``devices`` virtual XLA:CPU devices,
+    ``rows`` sequences of ``length`` tokens split over them.
+
+    The partitioned program exists only after compilation: torch_xla's
+    ``_get_xla_tensors_hlo`` returns it when ``XLA_DUMP_POST_OPTIMIZATIONS=1``, a setting read
+    once per process (``torch_xla/csrc/ir_dump_util.cpp`` l.269-270, v2.8.0 and v2.9.0) that
+    would also change ``xm.get_stablehlo``'s output in the caller. So a child process of its
+    own runs the step (on XLA:CPU even on a TPU machine, whose chips the caller holds)."""
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices),
+               XLA_DUMP_POST_OPTIMIZATIONS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                      env.get("PYTHONPATH")]))
+    args = [sys.executable, "-m", "course.text", "fsdp-collectives",
+            *map(str, (width, layers, heads, length, rows))]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"the FSDPv2 step's child process failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _fsdp_collectives_main(width: int, layers: int, heads: int, length: int, rows: int) -> None:
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+        SpmdFullyShardedDataParallel as FSDPv2,
+    )
+
+    xr.use_spmd()
+    n = xr.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(n), (n,), ("fsdp",))
+    torch.manual_seed(0)
+    device = torch_xla.device()
+    model = FSDPv2(TinyGPT(width, layers, heads, max_len=length).to(device), mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(1, VOCAB_SIZE, (rows, length)).to(device)
+    xs.mark_sharding(tokens, mesh, ("fsdp", None))
+    loss = F.cross_entropy(model(tokens[:, :-1]).transpose(1, 2), tokens[:, 1:])
+    loss.backward()
+    opt.step()
+    state = [t for st in opt.state.values() for t in st.values()
+             if torch.is_tensor(t) and t.device.type == "xla"]
+    step = [loss, *model.parameters(), *(p.grad for p in model.parameters()), *state]
+    print(json.dumps(count_collectives(torch_xla._XLAC._get_xla_tensors_hlo(step))))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["fsdp-collectives"]:
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    _fsdp_collectives_main(*map(int, sys.argv[2:7]))
