@@ -198,7 +198,7 @@ def check_flash_attention_shape(shape, *, backward: bool = True, batch_shards: i
 
 # ------------------------------------------------------- what FSDPv2's compiled step contains
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_COLLECTIVE_OP = re.compile(r"= \S+ (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_COLLECTIVE_OP = re.compile(r"=.*?\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def count_collectives(hlo_text: str) -> dict[str, int]:
