@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -209,7 +210,7 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 
 
 def fsdp_step_collectives(width: int, layers: int, heads: int, length: int, rows: int,
-                          devices: int = 4, timeout: float = 300) -> dict[str, int]:
+                          devices: int = 4, timeout: float = 300, wait: bool = True):
     """The collectives XLA's SPMD partitioner compiled into one FSDPv2 training step of
     :class:`TinyGPT` (forward, backward, AdamW) over ``devices`` virtual XLA:CPU devices,
     ``rows`` sequences of ``length`` tokens split over them.
@@ -218,17 +219,28 @@ def fsdp_step_collectives(width: int, layers: int, heads: int, length: int, rows
     ``_get_xla_tensors_hlo`` returns it when ``XLA_DUMP_POST_OPTIMIZATIONS=1``, a setting read
     once per process (``torch_xla/csrc/ir_dump_util.cpp`` l.269-270, v2.8.0 and v2.9.0) that
     would also change ``xm.get_stablehlo``'s output in the caller. So a child process of its
-    own runs the step (on XLA:CPU even on a TPU machine, whose chips the caller holds)."""
+    own runs the step (on XLA:CPU even on a TPU machine, whose chips the caller holds).
+    Returns the counts per kind; with ``wait=False`` at once a ``concurrent.futures.Future``
+    of them, so the caller can go on while the child compiles."""
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices),
                XLA_DUMP_POST_OPTIMIZATIONS="1", TF_CPP_MIN_LOG_LEVEL="2")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                       env.get("PYTHONPATH")]))
     args = [sys.executable, "-m", "course.text", "fsdp-collectives",
             *map(str, (width, layers, heads, length, rows))]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
-    if done.returncode:
-        raise RuntimeError(f"the FSDPv2 step's child process failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def run() -> dict[str, int]:
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+        if done.returncode:
+            raise RuntimeError(f"the FSDPv2 step's child process failed:\n{done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    if wait:
+        return run()
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(run)
+    pool.shutdown(wait=False)
+    return future
 
 
 def _fsdp_collectives_main(width: int, layers: int, heads: int, length: int, rows: int) -> None:
