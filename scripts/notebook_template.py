@@ -39,6 +39,8 @@ KAGGLE_BADGE = "https://kaggle.com/static/images/open-in-kaggle.svg"
 
 SETUP_MARKER = "# Setup (safe to re-run)"
 CONFIG_MARKER = "# Config"
+#: The closing section that holds a notebook's evidence (scripts/course_text.py keeps it there).
+CHECKED_HEADING = "How this notebook is checked"
 
 #: Top-level notebook metadata with which Colab and Kaggle open a notebook on a TPU runtime.
 #: Colab: ``accelerator`` + ``colab.gpuType`` as Colab itself saves them for a v5e-1 TPU.
@@ -233,14 +235,20 @@ def _code_problems(code: list[dict[str, Any]]) -> list[str]:
 
 
 def _ending_problems(path: Path, cells: list[dict[str, Any]]) -> list[str]:
-    """'What you learned', then a link to the next notebook (or back to the README)."""
+    """'What you learned', then 'How this notebook is checked'; each links to the next notebook
+    (the last notebook back to the README)."""
     name, problems = path.name, []
     md = [_source(c) for c in cells if c.get("cell_type") == "markdown"]
     learned = [i for i, s in enumerate(md) if re.search(r"^#+ What you learned", s, re.M)]
     if not learned:
         problems.append("no '## What you learned' section")
+    checked = [i for i, s in enumerate(md) if re.search(rf"^## {CHECKED_HEADING}\s*$", s, re.M)]
+    if len(checked) != 1 or (learned and checked[0] < learned[-1]):
+        problems.append(f"one '## {CHECKED_HEADING}' section must follow 'What you learned'")
     tail = "\n".join(md[learned[-1]:]) if learned else ""
     nxt = _next_notebook(path)
+    if nxt and md and f"]({nxt})" not in md[-1]:
+        problems.append(f"the last markdown cell must link to the next notebook ({nxt})")
     if nxt and f"]({nxt})" not in tail:
         problems.append(f"'What you learned' must end with a link to the next notebook ({nxt})")
     planned = re.search(rf"\]\({int(name[:2]) + 1:02d}_[a-z0-9_]+\.ipynb\)", tail) if _NAME.match(
