@@ -105,7 +105,7 @@ JAX_OVERLAY := $(CURDIR)/.jax-overlay
 JAX_LANE_DIR := $(CURDIR)/outputs/jax-lane
 JAX_NOTEBOOKS := $(addprefix notebooks/,02_parallel_loader.ipynb 03_multicore_training.ipynb \
   04_prediction_gathering.ipynb 07_model_sharding_spmd.ipynb 10_bigger_than_one_chip.ipynb)
-JAX_TESTS := tests/test_jax_paths.py tests/test_jax_lane.py
+JAX_TESTS := tests/test_jax_paths.py tests/test_jax_lane.py tests/test_text_model.py
 
 $(JAX_OVERLAY)/.installed: requirements-jax-lane.txt | $(STAMP)
 	rm -rf $(JAX_OVERLAY)
