@@ -31,11 +31,14 @@ from course.datasets import load_digits
 from course.models import DigitsCNN
 from course.setup import quiet_jax_notice
 from tpu_helpers.data import ArrayDataset
-from tpu_helpers.device_loader import Step, StrictDeviceLoader
+from tpu_helpers.device_loader import StrictDeviceLoader
 from tpu_helpers.metrics import snapshot, track
 from tpu_helpers.spmd import device_mesh
 
 quiet_jax_notice()  # its fresh processes (the 4-device demos) do not run setup_notebook
+
+#: A training step on one batch, ``step(x, y) -> loss`` (the loops below time it).
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)

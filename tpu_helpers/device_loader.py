@@ -7,14 +7,10 @@ ENDS EARLY, leaving other replicas waiting in a collective. Importing does not t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-import torch
 import torch_xla.distributed.parallel_loader as pl
-
-#: A training step on one batch, ``step(x, y) -> loss`` (course code times loops of it).
-Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class _ErrorCatchingLoader:
