@@ -1,4 +1,5 @@
-"""The small models the course trains: a CNN for the 8x8 digits images.
+"""The small models the course trains: a CNN for the 8x8 digits images (and
+:func:`max_abs_diff`, to compare two runs' weights).
 
 Taught in ``notebooks/03_multicore_training.ipynb``; reused by notebooks 04-06 and the
 benchmarks so every comparison runs the same maths. Plain ``torch.nn``: nothing here is
@@ -33,3 +34,10 @@ class DigitsCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two state dicts with the same keys."""
+    if a.keys() != b.keys():
+        raise ValueError(f"state dicts differ in keys: {sorted(set(a) ^ set(b))}")
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

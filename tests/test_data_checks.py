@@ -382,3 +382,18 @@ def test_a_regression_target_is_not_loaded_as_classes(tmp_path):
     assert y.min() == 25 and len(y) == 322
     path.write_text("a,target\n1,0\n2,2\n3,1\n")  # 0..K-1, each present
     assert DS.load_tabular_csv(path)[1].tolist() == [0, 2, 1]
+
+
+def test_the_scripts_npz_labels_must_be_class_ids(tmp_path):
+    """``python -m tpu_helpers.train --data f.npz``: y must be class ids 0..K-1 (whole floats
+    pass), not a regression target."""
+    def npz(y):
+        np.savez(tmp_path / "y.npz", x=np.zeros((len(y), 2)), y=y)
+        return str(tmp_path / "y.npz")
+
+    assert D.load_npz(npz(np.array([2, 0, 1])))[1].tolist() == [2, 0, 1]
+    x, y = D.load_npz(npz(np.array([1.0, 0.0])))
+    assert y.dtype == np.int64 and x.dtype == np.float32
+    with pytest.raises(ValueError, match=r"y\.npz: y holds 322 distinct values in 25\.\.346, "
+                                         r"not the class ids 0\.\.K-1 \(a regression"):
+        D.load_npz(npz(np.arange(25, 347)))

@@ -1,17 +1,15 @@
 """fit/train with the user's pieces: a Dataset, a loss, an optimizer and a schedule (resumed
 bit for bit, no compile when the learning rate changes), a diverging loss stopped with the
-step and the learning rate, a resume that runs 0 steps said out loud, regression targets."""
+step and the learning rate, a resume that runs 0 steps said out loud (the script's .npz
+labels: tests/test_data_checks.py)."""
 
 from __future__ import annotations
 
 import json
 import re
 
-import numpy as np
 import pytest
 from conftest import run_script
-
-from tpu_helpers.train import _class_ids
 
 SCRIPT = r'''
 import json, sys, warnings
@@ -20,7 +18,8 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import Dataset
 from course.datasets import load_digits
 from course.models import DigitsCNN
-from tpu_helpers.train import Config, ReplicaFailed, train
+from tpu_helpers.launch import ReplicaFailed
+from tpu_helpers.train import Config, train
 
 class Digits(Dataset):  # a map-style Dataset with a transform, not arrays
     def __init__(self, split):
@@ -131,11 +130,3 @@ def test_a_diverging_loss_stops_the_run_naming_the_step_and_learning_rate(tmp_pa
     assert "(learning rate 1e+30)" in summary
     step = int(summary.split("at step ")[1].split()[0])
     assert step % 4 == 0  # found by the logging closure (log_every=4): no extra read
-
-
-def test_script_labels_must_be_class_ids():
-    assert _class_ids(np.array([2, 0, 1]), "y.npz").tolist() == [2, 0, 1]
-    assert _class_ids(np.array([1.0, 0.0]), "y.npz").dtype == np.int64
-    with pytest.raises(ValueError, match=r"y\.npz: y holds 322 distinct values in 25\.\.346, "
-                                         r"not the class ids 0\.\.K-1 \(a regression"):
-        _class_ids(np.arange(25, 347), "y.npz")

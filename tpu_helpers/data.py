@@ -65,6 +65,20 @@ def check_labels(labels: np.ndarray, num_classes: int | None, source: str = "lab
             f"pass num_classes (e.g. num_classes={present[-1] + 1}).")
 
 
+def load_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Arrays ``x`` (float32) and ``y`` (int64 class ids 0..K-1, each present; whole floats
+    pass) of an ``.npz`` file, read without pickle; a bad ``y`` is a :class:`DataError`."""
+    with np.load(path, allow_pickle=False) as f:  # arrays only: nothing can run code
+        x, y = f["x"].astype(np.float32), f["y"]
+    y = y.astype(np.int64) if y.dtype.kind == "f" and np.array_equal(y, np.round(y)) else y
+    check_labels(y, None, f"{path}: y")
+    present = np.unique(y)
+    if len(present) and len(present) != present[-1] + 1:
+        raise DataError(f"{path}: y holds {len(present)} distinct values in {present[0]}.."
+                        f"{present[-1]}, not the class ids 0..K-1 (a regression target?)")
+    return x, y.astype(np.int64)
+
+
 def _stack_rows(rows: Any, what: str) -> np.ndarray:
     """np.asarray that names the first ragged row instead of numpy's generic message."""
     if isinstance(rows, torch.Tensor):
@@ -183,6 +197,17 @@ def make_train_loader(dataset: Dataset, global_batch: int, *,
                            "use more data or fewer replicas."))
     return replica_train_loader(_IndexedItems(dataset), batch, ws, rk, seed=seed,
                                 num_workers=num_workers, collate_fn=_collate_train)
+
+
+def make_loaders(train_set: Dataset, eval_set: Dataset | None, config: Any, world: int,
+                 rank: int) -> tuple[DataLoader, DataLoader | None]:
+    """``train.fit``'s loaders for this replica: :func:`make_train_loader` and
+    :func:`make_eval_loader` (or None) from ``config.global_batch``, ``eval_global_batch``
+    and ``seed`` (GLOBAL batches)."""
+    train = make_train_loader(train_set, config.global_batch, world_size=world, rank=rank,
+                              seed=config.seed)
+    return train, None if eval_set is None else make_eval_loader(
+        eval_set, config.eval_global_batch, world_size=world, rank=rank)
 
 
 def replica_eval_indices(n, per_replica_batch, world_size, rank):

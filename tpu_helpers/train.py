@@ -1,44 +1,26 @@
 """Multi-core training the way upstream writes it: one per-replica :func:`fit`, read top to bottom.
 
-Taught in ``notebooks/03_multicore_training.ipynb`` (``#@save`` cells: :func:`train_step`,
-:func:`step_seed`, :func:`train_epoch`). Needs ``checkpoint.py`` and ``data.py`` (the loaders:
-``make_train_loader``, ``make_eval_loader``). A script for pod workers too::
-
-    python -m tpu_helpers.train --epochs 3           # fake data, like upstream's --fake_data
-    python -m tpu_helpers.train --data train.npz --eval-data test.npz --out-dir runs/a [--spmd]
-
-:func:`train` runs :func:`fit` under :func:`launch` (failures name the rank) or SPMD; options
-are :class:`Config` (the flags come from it); your pieces (``model_fn()``, ``loss_fn(output,
-target)``, ``optimizer_fn(params, config)``, ``scheduler_fn(optimizer, config)``, ``Dataset``s
-or numpy arrays, ``loaders_fn``) are keyword arguments of both. ``global_batch`` is one
-optimizer step's batch over ALL replicas (each loads ``per_replica_batch(global_batch,
-world_size)`` rows: ``data.py``'s loaders take the global batch and split it). A resume
-from ``out_dir/checkpoints`` continues bit for bit (weights, optimizer, schedule, data order,
-dropout). Text of any length: a ``loaders_fn`` giving dict batches (``buckets.py``'s samplers +
-``collate``; not imported here) trains ``model(tokens, mask)`` with ``loss_fn(output, batch)``.
+Taught in ``notebooks/03_multicore_training.ipynb`` (its ``#@save`` cells: :func:`train_step`,
+:func:`step_seed`, :func:`train_epoch`). Copy it with ``checkpoint.py``, ``data.py`` (the
+loaders, from the GLOBAL batch) and ``launch.py``. :func:`train` runs :func:`fit` under
+``launch`` or SPMD; options are :class:`Config`, also flags of the script for pod workers
+(``python -m tpu_helpers.train --data train.npz --eval-data test.npz --out-dir runs/a``; no
+``--data``: fake data, like upstream's). A resume from ``out_dir/checkpoints`` continues bit
+for bit. A ``loaders_fn`` giving dict batches (``buckets.py``) trains ``model(tokens, mask)``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import faulthandler
 import functools
 import itertools
 import json
 import math
-import os
-import pickle
-import re
-import shutil
-import signal
 import tempfile
-import threading
 import time
-import traceback
 import warnings
 from collections.abc import Callable
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,15 +35,17 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset
 
 try:  # inside the tpu_helpers package
     from . import checkpoint
-    from .data import make_eval_loader, make_train_loader
-except ImportError:  # copied next to checkpoint.py and data.py into your project
+    from .data import ArrayDataset, load_npz, make_loaders
+    from .launch import launch
+except ImportError:  # copied next to checkpoint.py, data.py and launch.py
     import checkpoint  # type: ignore[no-redef]
+    from launch import launch  # type: ignore[no-redef]
 
-    from data import make_eval_loader, make_train_loader  # type: ignore[no-redef]
+    from data import ArrayDataset, load_npz, make_loaders
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002
@@ -75,12 +59,10 @@ class Config:
     epochs: int = _opt(6, "epochs to train")
     global_batch: int = _opt(64, "samples per optimizer step over ALL replicas (each loads "
                              "global_batch // world_size: its per-replica batch)")
-    eval_global_batch: int = _opt(64, "evaluation samples per step over ALL replicas (padded "
-                                  "+ masked: any data size)")
+    eval_global_batch: int = _opt(64, "evaluation samples per step over ALL replicas")
     lr: float = _opt(3e-3, "learning rate (the built-in optimizers; yours reads config.lr)")
     weight_decay: float = _opt(1e-2, "AdamW weight decay (built-in optimizer)")
-    optimizer: str = _opt("adamw", "built-in optimizer, when fit gets no optimizer_fn",
-                          choices=("adamw", "sgd"))
+    optimizer: str = _opt("adamw", "built-in optimizer", choices=("adamw", "sgd"))
     momentum: float = _opt(0.5, "SGD momentum (built-in optimizer)")
     scheduler_step: str = _opt("epoch", "call scheduler.step() after every epoch or step",
                                choices=("epoch", "step"))
@@ -99,21 +81,20 @@ class Config:
     resume_new_settings: bool = _opt(False, "resume a checkpoint with other settings: its "
                                      "weights and optimizer, its next epoch (default: refuse)")
     progress: bool = _opt(False, "print 'step k/n' every step and each logged loss")
-    compile_cache: str = _opt("", "persistent XLA compile cache folder (default: off); torch_xla "
-                              "2.8/2.9 write it but never load it back (pytorch/xla issue 9094), "
-                              "so it saves no compile")
-    start_method: str = _opt("fork", "how torch_xla.launch starts replicas",
-                             choices=("fork", "spawn"))
+    compile_cache: str = _opt("", "XLA compile cache folder; 2.8/2.9 write it, never load it "
+                              "back (pytorch/xla issue 9094): no compile saved (default: off)")
+    start_method: str = _opt("fork", "how launch starts replicas", choices=("fork", "spawn"))
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "global_batch", "eval_global_batch", "log_every", "keep",
-                     "max_steps"):
-            if (value := getattr(self, name)) is not None and value < 1:  # max_steps: None ok
-                raise ValueError(f"{name} must be >= 1, got {value}")
         for f in dataclasses.fields(self):
-            if "choices" in f.metadata and getattr(self, f.name) not in f.metadata["choices"]:
-                raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, "
-                                 f"got {getattr(self, f.name)!r}")
+            value, choices = getattr(self, f.name), f.metadata.get("choices")
+            if f.name in _AT_LEAST_1 and value is not None and value < 1:  # max_steps: None ok
+                raise ValueError(f"{f.name} must be >= 1, got {value}")
+            if choices and value not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
+
+
+_AT_LEAST_1 = ("epochs", "global_batch", "eval_global_batch", "log_every", "keep", "max_steps")
 
 
 class Net(nn.Module):
@@ -132,66 +113,28 @@ class Net(nn.Module):
         return self.head(self.features(x))
 
 
-Data = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
-#: ``fit``'s data: a training ``Dataset`` of ``(x, y)`` items, or ``(x, y, eval_x, eval_y)``
-#: numpy arrays (eval ones may be None), or None (``config.data``, else fake data).
-AnyData = Dataset | Data | None
-
-
-def load_data(config: Config) -> Data:
-    """``(x, y, eval_x, eval_y)`` from ``config.data``/``eval_data``, or fake data."""
-    if not config.data:  # like upstream's --fake_data: 8x8 images, 10 noisy class patterns
-        g = np.random.default_rng(0)
-        y = g.integers(0, 10, 2560)
-        x = (g.standard_normal((10, 1, 8, 8))[y] + g.standard_normal((2560, 1, 8, 8)))
-        return x[:2048].astype(np.float32), y[:2048], x[2048:].astype(np.float32), y[2048:]
-    arrays = []
-    for path in (config.data, config.eval_data):
-        if path:
-            with np.load(path, allow_pickle=False) as f:  # arrays only: nothing can run code
-                arrays += [f["x"].astype(np.float32), _class_ids(f["y"], path)]
-        else:
-            arrays += [None, None]
-    return tuple(arrays)  # type: ignore[return-value]
-
-
-def _class_ids(y: np.ndarray, source: str) -> np.ndarray:
-    """``y`` as int64 class ids 0..K-1, each present; else a ValueError naming the range."""
-    if y.dtype.kind == "f" and np.array_equal(y, np.round(y)):
-        y = y.astype(np.int64)
-    if y.dtype.kind not in "iu" or y.ndim != 1:
-        raise ValueError(f"{source}: y must be 1-D integer class ids, got {y.dtype} {y.shape}")
-    present = np.unique(y)
-    if len(y) and (present[0] < 0 or len(present) != present[-1] + 1):
-        raise ValueError(f"{source}: y holds {len(present)} distinct values in "
-                         f"{present[0]}..{present[-1]}, not the class ids 0..K-1 "
-                         "(a regression target?)")
-    return y.astype(np.int64)
+#: ``fit``'s data: a ``Dataset`` of ``(x, y)`` items, ``(x, y, eval_x, eval_y)`` numpy arrays
+#: (eval ones may be None), or None (``config.data``, else fake data like upstream's).
+AnyData = Dataset | tuple | None
 
 
 def _datasets(data: AnyData, eval_data: Dataset | None,
               config: Config) -> tuple[Dataset, Dataset | None]:
-    """The training and evaluation ``Dataset``s, from datasets or arrays."""
-    if data is None or isinstance(data, tuple):
-        x, y, ex, ey = load_data(config) if data is None else data
-        data = TensorDataset(torch.from_numpy(np.asarray(x, np.float32)),
-                             torch.from_numpy(np.asarray(y, np.int64)))
+    """The training and evaluation ``Dataset``s, from datasets, arrays, ``.npz`` or fake data."""
+    if data is None and not config.data:  # 8x8 images, 10 noisy class patterns
+        g = np.random.default_rng(0)
+        y = g.integers(0, 10, 2560)
+        x = g.standard_normal((10, 1, 8, 8))[y] + g.standard_normal((2560, 1, 8, 8))
+        data = (x[:2048], y[:2048], x[2048:], y[2048:])
+    elif data is None:
+        data = (*load_npz(config.data), *(load_npz(config.eval_data) if config.eval_data
+                                          else (None, None)))
+    if isinstance(data, tuple):
+        x, y, ex, ey = data
+        data = ArrayDataset(np.asarray(x, np.float32), np.asarray(y, np.int64))
         if ex is not None and eval_data is None:
-            eval_data = TensorDataset(torch.from_numpy(np.asarray(ex, np.float32)),
-                                      torch.from_numpy(np.asarray(ey, np.int64)))
+            eval_data = ArrayDataset(np.asarray(ex, np.float32), np.asarray(ey, np.int64))
     return data, eval_data
-
-
-def make_loaders(train_set, eval_set, config, world, rank):
-    """``data.py``'s loaders for this replica, both from GLOBAL batches: the training shard
-    (``make_train_loader``) and the evaluation shard padded with masked rows, each row once
-    (``make_eval_loader``; batches ``(x, y, index, mask)``)."""
-    train = make_train_loader(train_set, config.global_batch, world_size=world, rank=rank,
-                              seed=config.seed)
-    if eval_set is None:
-        return train, None
-    return train, make_eval_loader(eval_set, config.eval_global_batch, world_size=world,
-                                   rank=rank)
 
 
 class TrainingDiverged(FloatingPointError):
@@ -219,23 +162,13 @@ def step_seed(seed, step, rank=0):
 def dict_stats(model: nn.Module, batch: dict[str, torch.Tensor],
                loss_fn: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """A dict batch's ``loss`` and ``[loss_sum, correct, count]``: ``loss_fn(model(tokens,
-    mask), batch)`` returns the mean loss (count: real rows, index >= 0) or ``(loss, correct,
-    count)``; padding rows (index -1, mask False) must add nothing to the loss."""
+    mask), batch)`` gives the mean loss over real rows (index >= 0; padding adds nothing) or
+    ``(loss, correct, count)``."""
     out = loss_fn(model(batch["tokens"], batch["mask"]), batch)
     rows = (batch["index"] >= 0).sum()
     loss, correct, count = out if isinstance(out, tuple) else (out, torch.zeros_like(out), rows)
     count = torch.as_tensor(count).to(loss.dtype)
     return loss, torch.stack([loss.detach() * count, torch.as_tensor(correct).to(loss), count])
-
-
-def dict_step(model, optimizer, batch, loss_fn):
-    """:func:`train_step` for a dict batch (no tensor but the totals outlives it: the step
-    ending an epoch then has the graph of the others)."""
-    optimizer.zero_grad(set_to_none=True)
-    loss, stats = dict_stats(model, batch, loss_fn)
-    loss.backward()
-    xm.optimizer_step(optimizer)
-    return xm.all_reduce(xm.REDUCE_SUM, stats)
 
 
 def dict_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
@@ -245,7 +178,12 @@ def dict_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
     for batch in batches:
         step += 1
         xm.set_rng_state(step_seed(seed, step, rank))
-        totals = totals + dict_step(model, optimizer, batch, loss_fn)
+        optimizer.zero_grad(set_to_none=True)
+        loss, stats = dict_stats(model, batch, loss_fn)
+        loss.backward()
+        xm.optimizer_step(optimizer)
+        totals = totals + xm.all_reduce(xm.REDUCE_SUM, stats)
+        del loss, stats  # only the totals outlive a step: the last one is the same graph
         if after_step(step, totals):
             break
     return totals
@@ -265,22 +203,20 @@ def train_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
 
 
 def evaluate(model, batches, loss_fn=F.cross_entropy):
-    """``[loss_sum, correct, count]`` of real (mask True) rows over replicas; per-row losses
-    from ``loss_fn(output, target, reduction="none")``. Batches ``(x, y, index, mask)`` (as
-    ``make_eval_loader`` gives them) or ``(x, y, mask)``."""
+    """``[loss_sum, correct, count]`` of real rows over replicas, from batches ``(x, y,
+    index, mask)`` (``make_eval_loader``'s), ``(x, y, mask)`` or dicts (:func:`dict_stats`)."""
     model.eval()
     totals = torch.zeros(3).to(torch_xla.device())
     with torch.no_grad():
         for batch in batches:
             if isinstance(batch, dict):  # length buckets
-                totals = totals + xm.all_reduce(xm.REDUCE_SUM, dict_stats(model, batch,
-                                                                          loss_fn)[1])
-                continue
-            x, y, *_, mask = batch  # (x, y, index, mask) or (x, y, mask)
-            output, m = model(x), mask.float()
-            loss = loss_fn(output, y, reduction="none")
-            stats = torch.stack([(loss * m).sum(), ((output.argmax(1) == y) & mask).sum().float(),
-                                 m.sum()])
+                stats = dict_stats(model, batch, loss_fn)[1]
+            else:
+                x, y, *_, mask = batch  # per-row losses: loss_fn(..., reduction="none")
+                output, m = model(x), mask.float()
+                loss = loss_fn(output, y, reduction="none")
+                stats = torch.stack([(loss * m).sum(), ((output.argmax(1) == y) & mask).sum()
+                                     .float(), m.sum()])
             totals = totals + xm.all_reduce(xm.REDUCE_SUM, stats)
     model.train()
     return totals
@@ -304,7 +240,11 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
     ``loaders_fn(train_set, eval_set, config, world, rank)`` gives (train, eval) loaders."""
     device = torch_xla.device()
     world, rank, devices = _layout(config)
-    _enable_cache(config.compile_cache, rank)
+    if config.compile_cache:  # per replica, as upstream's test does; a problem only warns
+        try:
+            xr.initialize_cache(str(Path(config.compile_cache) / f"replica-{rank}"))
+        except Exception as exc:  # an optimisation, never a reason to stop
+            warnings.warn(f"compile cache not enabled ({exc})", RuntimeWarning, stacklevel=2)
     train_set, eval_set = _datasets(data, eval_data, config)
     train_loader, eval_loader = loaders_fn(train_set, eval_set, config, world, rank)
     epoch_fn = dict_epoch if isinstance(next(iter(train_loader), None), dict) else train_epoch
@@ -316,9 +256,15 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
         xm.broadcast_master_param(model)
     optimizer = optimizer_fn(model.parameters(), config)
     scheduler = scheduler_fn(optimizer, config) if scheduler_fn else None
-    sharding = _batch_sharding(config, devices, train_set)
-    run = start(config, _settings(config, world, devices, len(train_loader), len(train_set)),
-                model, optimizer, scheduler)
+    sharding = None  # the SPMD delta: shard the batch axis over a 1-D mesh of all devices
+    if config.spmd:
+        ndim = torch.as_tensor(train_set[0][0]).ndim  # a sample's axes, after the batch's
+        sharding = xs.ShardingSpec(xs.Mesh(np.arange(devices), (devices,), ("data",)),
+                                   ("data",) + (None,) * ndim)
+    settings = {"mode": "spmd" if config.spmd else "launch", "world_size": world,
+                "devices": devices, "global_batch": config.global_batch, "seed": config.seed,
+                "train_samples": len(train_set), "steps_per_epoch": len(train_loader)}
+    run = start(config, settings, model, optimizer, scheduler)  # settings: what a step means
     while run.epoch < config.epochs and run.step < run.last:
         sampler = getattr(train_loader.batch_sampler, "set_epoch", None) and \
             train_loader.batch_sampler  # a length-bucket batch_sampler, else DistributedSampler
@@ -327,8 +273,8 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
                                    input_sharding=sharding)
         started, compiles = time.perf_counter(), _compiles()
         totals = epoch_fn(model, optimizer, loader, run.step,
-                             functools.partial(run.after_step, model, optimizer),
-                             config.seed, rank, loss_fn, run.totals)
+                          functools.partial(run.after_step, model, optimizer),
+                          config.seed, rank, loss_fn, run.totals)
         torch_xla.sync()
         if run.batch < len(train_loader):
             break  # stopped by max_steps inside the epoch (after_step checkpointed it)
@@ -337,15 +283,6 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
             model, pl.MpDeviceLoader(eval_loader, device, input_sharding=sharding), loss_fn)
         run.end_epoch(model, optimizer, totals, held_out, seconds, _compiles() - compiles)
     return run.finish(model)
-
-
-def _batch_sharding(config: Config, devices: int, train_set: Dataset) -> Any:
-    """The SPMD delta: shard the batch axis over a 1-D mesh of devices (None: replicas)."""
-    if not config.spmd:
-        return None
-    mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
-    ndim = torch.as_tensor(train_set[0][0]).ndim + 1  # the batch axis, then a sample's
-    return xs.ShardingSpec(mesh, ("data",) + (None,) * (ndim - 1))
 
 
 def _layout(config: Config) -> tuple[int, int, int]:
@@ -366,24 +303,6 @@ def _compiles() -> int:
     return int((met.metric_data("CompileTime") or (0,))[0])
 
 
-def _enable_cache(folder: str, rank: int) -> None:
-    """``xr.initialize_cache`` per replica, as upstream's test does; a problem only warns."""
-    if not folder:
-        return
-    try:
-        xr.initialize_cache(str(Path(folder) / f"replica-{rank}"), readonly=False)
-    except Exception as exc:  # an optimisation, never a reason to stop
-        warnings.warn(f"compile cache not enabled ({exc})", RuntimeWarning, stacklevel=2)
-
-
-def _settings(config: Config, world: int, devices: int, steps_per_epoch: int,
-              train_samples: int) -> dict[str, Any]:
-    """What a checkpoint's step counter means: the batch each step reads depends on these."""
-    return {"mode": "spmd" if config.spmd else "launch", "world_size": world,
-            "devices": devices, "global_batch": config.global_batch, "seed": config.seed,
-            "train_samples": train_samples, "steps_per_epoch": steps_per_epoch}
-
-
 class ResumeMismatch(checkpoint.CheckpointError):
     """The newest checkpoint was written with other run settings than this run's."""
 
@@ -393,7 +312,7 @@ class Run:
     """Where this replica is (what a checkpoint stores) and the history it reports."""
 
     config: Config
-    settings: dict[str, Any]
+    settings: dict[str, Any]  # what a step counter means: the rows each step reads
     history: dict[str, Any]
     epoch: int = 0
     batch: int = 0  # batches of ``epoch`` done
@@ -470,29 +389,25 @@ class Run:
         self.save(model, optimizer, torch.zeros(3), best=best)
 
     def finish(self, model: nn.Module) -> dict[str, Any]:
-        self.history["total_steps"] = self.step
-        self.history["runs"][-1]["steps"] = self.step - self.from_step
-        self.history["compile_cache"] = {n: int(met.counter_value(n) or 0) for n in
-                                         met.counter_names() if n.startswith("PersistentCache")}
+        h, c = self.history, self.config
+        h["total_steps"], h["runs"][-1]["steps"] = self.step, self.step - self.from_step
+        h["compile_cache"] = {n: int(met.counter_value(n) or 0) for n in met.counter_names()
+                              if n.startswith("PersistentCache")}
         if self.step == self.from_step:  # e.g. train() called again with the same out_dir
-            self.history["note"] = (
-                f"0 steps run: resumed at step {self.step}, where epochs={self.config.epochs}"
-                f", max_steps={self.config.max_steps} stop; raise them, or start over "
-                "(resume=False / --no-resume, or another out_dir)")
+            h["note"] = (f"0 steps run: resumed at step {self.step}, where epochs={c.epochs}, "
+                         f"max_steps={c.max_steps} stop; raise them, or start over "
+                         "(resume=False / --no-resume, or another out_dir)")
             if self.master:
-                print(self.history["note"], flush=True)
-        if self.config.out_dir:
-            out = Path(self.config.out_dir)
-            written = checkpoint.save_checkpoint(out / "final.pt", {"model": model.state_dict(),
-                                      "step": self.step}, storage=self.config.storage)
-            if written is not None:  # this replica is the writer
-                save_history(out / "history.json", self.history)
-        return self.history
+                print(h["note"], flush=True)
+        if c.out_dir and checkpoint.save_checkpoint(  # not None: this replica is the writer
+                Path(c.out_dir) / "final.pt", {"model": model.state_dict(), "step": self.step},
+                storage=c.storage) is not None:
+            save_history(Path(c.out_dir) / "history.json", h)
+        return h
 
 
 def _lr(optimizer: Any) -> float:
-    """The learning rate of the first parameter group, as a float (host value: no sync)."""
-    return float(optimizer.param_groups[0]["lr"])
+    return float(optimizer.param_groups[0]["lr"])  # a host value: no sync
 
 
 def _check_finite(loss: float, step: int, lr: float) -> None:
@@ -508,12 +423,11 @@ def start(config: Config, settings: dict[str, Any], model: nn.Module, optimizer:
                "resumed_from": [], "config": dataclasses.asdict(config),
                "runs": [{"from_step": 0, "checkpoint": None, "settings": settings}]}
     ckpts = (checkpoint.CheckpointDir(Path(config.out_dir) / "checkpoints", keep=config.keep,
-                           storage=config.storage) if config.out_dir else None)
+                                      storage=config.storage) if config.out_dir else None)
     ckpt, path = ckpts.load_latest() if ckpts and config.resume else (None, None)
-    if ckpt is None:
-        return Run(config, settings, history, ckpts=ckpts, scheduler=scheduler)
-    run = resume_from(ckpt, path, config, settings, model, optimizer, scheduler)
-    run.ckpts = ckpts
+    run = (Run(config, settings, history) if ckpt is None else
+           resume_from(ckpt, path, config, settings, model, optimizer, scheduler))
+    run.ckpts, run.scheduler = ckpts, scheduler
     return run
 
 
@@ -521,11 +435,12 @@ def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict
                 model: nn.Module, optimizer: Any, scheduler: Any = None) -> Run:
     """Restore ``ckpt``; other settings raise :class:`ResumeMismatch` unless
     ``config.resume_new_settings`` (then: its weights and optimizer, its next epoch)."""
-    saved = ckpt.get("extra", {}).get("settings")
+    extra = ckpt.get("extra", {})
+    saved = extra.get("settings")
     changes = ([f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now"
                 for k, v in settings.items() if saved.get(k) != v]
                if isinstance(saved, dict) else ["no run settings stored"])
-    if (scheduler is None) != ("scheduler" not in ckpt.get("extra", {})):
+    if (scheduler is None) != ("scheduler" not in extra):
         changes.append(f"scheduler {'not ' * (scheduler is None)}given now, "
                        f"{'none ' * (scheduler is not None)}in the checkpoint")
     if changes and not config.resume_new_settings:
@@ -538,10 +453,9 @@ def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict
         scheduler.load_state_dict(where.extra["scheduler"])
     history = where.extra["history"]
     history["resumed_from"].append(path.name)
-    history["config"] = dataclasses.asdict(config)
     history["runs"].append({"from_step": where.step, "checkpoint": path.name,
                             "settings": settings, "new_settings": bool(changes)})
-    history.update(settings)
+    history.update(settings, config=dataclasses.asdict(config))
     run = Run(config, settings, history, where.epoch, where.batch_in_epoch, where.step,
               where.extra["totals"], scheduler=scheduler, from_step=where.step)
     if changes and run.batch:  # new settings: a new epoch (its batches meant other rows)
@@ -549,199 +463,9 @@ def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict
     return run
 
 
-def save_history(path: str | os.PathLike[str], history: dict[str, Any]) -> Path:
+def save_history(path: str | Path, history: dict[str, Any]) -> Path:
     """Write ``history`` as JSON with ``checkpoint.atomic_write``."""
     return checkpoint.atomic_write(path, lambda f: f.write(json.dumps(history, indent=1).encode()))
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest absolute difference between two state dicts with the same keys."""
-    if a.keys() != b.keys():
-        raise ValueError(f"state dicts differ in keys: {sorted(set(a) ^ set(b))}")
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
-class ReplicaFailed(RuntimeError):
-    """A replica of ``torch_xla.launch`` failed: which rank, what, and its traceback."""
-
-    def __init__(self, rank: int | None, summary: str, details: str = "") -> None:
-        self.rank, self.summary, self.details = rank, summary, details
-        who = "a replica" if rank is None else f"rank {rank}"
-        super().__init__(f"{who} failed: {summary}" + (f"\n\n{details}" if details else ""))
-
-    def __reduce__(self) -> tuple[Any, ...]:  # picklable across the process pool
-        return (ReplicaFailed, (self.rank, self.summary, self.details))
-
-
-class _Reported:
-    """Per-replica wrapper: files say which rank started, failed or finished; each process
-    dumps its Python stack on a crash (``rank-R.pid-P.crash``, R its first replica) and on
-    SIGTERM (``.sigterm``: the pool stops the other workers with SIGTERM when one dies)."""
-
-    _dumps: dict[int, tuple[Any, Any]] = {}  # per process (v2/v3: 2 replicas as threads)
-    _lock = threading.Lock()
-
-    def __init__(self, fn: Callable[..., Any], report_dir: str) -> None:
-        self.fn, self.report_dir = fn, report_dir
-
-    def _watch(self, folder: Path, rank: int) -> None:
-        """Dump files first, then the marker: a rank that says it started can be judged."""
-        with self._lock:
-            if os.getpid() in self._dumps:
-                return
-            name = f"rank-{rank}.pid-{os.getpid()}"  # files open as long as the process:
-            crash, term = (open(folder / f"{name}.{kind}", "w")  # noqa: SIM115
-                           for kind in ("crash", "sigterm"))
-            self._dumps[os.getpid()] = (crash, term)
-            faulthandler.enable(file=crash, all_threads=True)
-            # C-level handler: runs even while native code holds the GIL; chain=True then
-            # lets SIGTERM end the process as before.
-            faulthandler.register(signal.SIGTERM, file=term, all_threads=True, chain=True)
-
-    def __call__(self, rank: int, *args: Any) -> Any:
-        folder = Path(self.report_dir)
-        self._watch(folder, rank)
-        local = {"rank": rank, "pid": os.getpid(), "thread": threading.get_ident(),
-                 "local": int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0")),
-                 "count": int(os.environ.get("PJRT_LOCAL_PROCESS_COUNT", "1"))}
-        checkpoint.atomic_write(folder / f"rank-{rank}.started",
-                                lambda f: f.write(json.dumps(local).encode()))
-        try:
-            result = self.fn(rank, *args)
-        except BaseException as exc:
-            details = traceback.format_exc()
-            checkpoint.atomic_write(folder / f"rank-{rank}.error",
-                                    lambda f: f.write(details.encode()))
-            raise ReplicaFailed(rank, f"{type(exc).__name__}: {exc}", details) from None
-        (folder / f"rank-{rank}.done").touch()
-        return result
-
-
-def _blame(folder: Path) -> ReplicaFailed:
-    """Which replica broke the pool (the pool then SIGTERMs the others): the process with a
-    crash dump; else the one that died without the pool's SIGTERM (SIGKILL, the out-of-memory
-    killer, os._exit); else the local process that never started its replica."""
-    procs: dict[int, dict[str, Any]] = {}
-    for path in folder.glob("rank-*.started"):
-        info = json.loads(path.read_text())
-        proc = procs.setdefault(info["pid"], {**info, "ranks": [], "infos": []})
-        proc["ranks"].append(info["rank"])
-        proc["infos"].append(info)
-    ended = {int(p.name.split(".")[0][len("rank-"):]) for p in
-             itertools.chain(folder.glob("rank-*.done"), folder.glob("rank-*.error"))}
-
-    def dump(pid: int, kind: str) -> str:
-        return "".join(p.read_text() for p in folder.glob(f"rank-*.pid-{pid}.{kind}")).strip()
-
-    def ranks(pid: int) -> str:
-        return ", ".join(map(str, sorted(procs[pid]["ranks"])))
-
-    crashed = sorted((_crashed_rank(p, procs), p.read_text().strip())
-                     for p in folder.glob("rank-*.pid-*.crash") if p.stat().st_size)
-    if crashed:  # written before the process died: the one sure sign
-        also = "".join(f"; rank {rank} crashed too" for rank, _ in crashed[1:])
-        return ReplicaFailed(crashed[0][0], "the process died without a Python exception (a "
-                             f"crash in native code; the Python stack it dumped is below){also}",
-                             crashed[0][1])
-    silent = sorted((pid for pid, p in procs.items() if not dump(pid, "sigterm")
-                     and not set(p["ranks"]) <= ended), key=lambda pid: procs[pid]["ranks"])
-    count = max((p["count"] for p in procs.values()), default=0)
-    unstarted = sorted(set(range(count)) - {p["local"] for p in procs.values()})
-    if len(silent) == 1 and not unstarted:
-        return ReplicaFailed(min(procs[silent[0]]["ranks"]), "the process died without a "
-                             "Python exception and without a stack dump (SIGKILL, e.g. from "
-                             "the out-of-memory killer, or os._exit); the pool then stopped "
-                             "the other replicas with SIGTERM",
-                             "(no Python stack was dumped: SIGKILL or os._exit)")
-    if len(unstarted) == 1 and not silent:
-        return ReplicaFailed(None, f"local process {unstarted[0]} of {count} died before "
-                             "its replica started (its rank was not known yet)")
-    return ReplicaFailed(None, "the process pool broke and the files do not say which "
-                         "replica died first: no crash dump; died without the pool's "
-                         f"SIGTERM: rank(s) {'; '.join(map(ranks, silent)) or 'none'}; "
-                         f"never started: local process(es) {unstarted or 'none'}")
-
-
-def _crashed_rank(dump: Path, procs: dict[int, dict[str, Any]]) -> int:
-    """The rank whose thread crashed (v2/v3 run 2 replicas as threads of one process):
-    faulthandler names the "Current thread"; else the process's first replica."""
-    rank, pid = (int(part.split("-")[1]) for part in dump.name.split(".")[:2])
-    current = re.search(r"Current thread (0x[0-9a-f]+)", dump.read_text())
-    threads = {info["thread"]: info["rank"] for info in procs.get(pid, {}).get("infos", [])}
-    return threads.get(int(current.group(1), 16), rank) if current else rank
-
-
-class _Probe(pickle.Pickler):
-    """Pickles into nothing; arrays and tensors are skipped (they pickle, and can be big)."""
-
-    def __init__(self) -> None:
-        super().__init__(self, protocol=pickle.HIGHEST_PROTOCOL)
-
-    def write(self, data: bytes) -> int:  # the pickler's own output file
-        return len(data)
-
-    def persistent_id(self, obj: Any) -> int | None:
-        return 0 if isinstance(obj, np.ndarray | torch.Tensor) else None
-
-
-def _pickle_error(obj: Any) -> Exception | None:
-    """What pickling ``obj`` raises, or None."""
-    try:
-        _Probe().dump(obj)
-    except Exception as exc:  # PicklingError, AttributeError, TypeError: all mean "cannot"
-        return exc
-    return None
-
-
-def _unpicklable(obj: Any, where: str, depth: int = 0) -> tuple[str, Any, Exception] | None:
-    """The innermost part of ``obj`` that cannot be pickled: (its path, it, the error)."""
-    error = _pickle_error(obj)
-    if error is None:
-        return None
-    parts: Any = ()
-    if isinstance(obj, functools.partial):
-        parts = [(f"{where}.func", obj.func), (f"{where}.args", obj.args)]
-    elif isinstance(obj, list | tuple):
-        parts = ((f"{where}[{i}]", v) for i, v in enumerate(obj))
-    elif isinstance(obj, dict):
-        parts = ((f"{where}[{k!r}]", v) for k, v in obj.items())
-    elif not callable(obj) and hasattr(obj, "__dict__"):
-        parts = ((f"{where}.{k}", v) for k, v in vars(obj).items())
-    for name, part in parts if depth < 6 else ():
-        if found := _unpicklable(part, name, depth + 1):
-            return found
-    return where, obj, error
-
-
-def check_picklable(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
-    """Raise ``TypeError`` naming the part of ``fn``/``args`` that ``torch_xla.launch``
-    could not send to its replicas, before any process starts."""
-    found = _unpicklable(fn, "fn") or _unpicklable(tuple(args), "args")
-    if found is None:
-        return
-    where, obj, error = found
-    raise TypeError(
-        f"launch cannot send {where} ({obj!r:.100}) to the replicas: {error}. "
-        "torch_xla.launch pickles the function and its args for every replica process, "
-        "even with start_method='fork' (fork only spares the replicas re-importing "
-        "__main__): define the function at module level (a notebook's top-level cell is "
-        "fine with fork; not a lambda, not inside another function) and pass data "
-        "through `args`.")
-
-
-def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), *,
-           start_method: str = "fork") -> None:
-    """``torch_xla.launch``; checks first that ``fn`` and ``args`` pickle; a failure, even
-    a native crash, raises :class:`ReplicaFailed` naming the rank, with its traceback (or
-    the stack faulthandler dumped)."""
-    check_picklable(fn, args)
-    report_dir = Path(tempfile.mkdtemp(prefix="tpu_helpers-launch-"))
-    try:
-        torch_xla.launch(_Reported(fn, str(report_dir)), args=args, start_method=start_method)
-    except BrokenProcessPool as exc:
-        raise _blame(report_dir) from exc
-    finally:
-        shutil.rmtree(report_dir, ignore_errors=True)
 
 
 def _replica(rank, config, data, model_fn, hooks):
@@ -750,8 +474,8 @@ def _replica(rank, config, data, model_fn, hooks):
 
 def train(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] = Net,
           **hooks: Any) -> dict[str, Any]:
-    """Run :func:`fit` on every replica (or under SPMD); returns the history. ``hooks`` are
-    :func:`fit`'s keyword arguments (module-level functions: launch pickles them)."""
+    """Run :func:`fit` on every replica (``launch``) or under SPMD; returns the history.
+    ``hooks`` are :func:`fit`'s keyword arguments (module-level functions: launch pickles them)."""
     out = Path(config.out_dir or tempfile.mkdtemp(prefix="tpu_helpers-run-"))
     config = dataclasses.replace(config, out_dir=str(out))
     if config.spmd:
@@ -774,14 +498,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train on every TPU core (or XLA:CPU); resumes "
                                 "from OUT_DIR/checkpoints. Run it on every worker of a pod.")
     for f in dataclasses.fields(Config):
-        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"] + " (%(default)s)"
-        if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                           help=text)
-        else:
-            kind = {"int": int, "float": float, "int | None": int}.get(f.type, str)
-            p.add_argument(flag, type=kind, default=f.default, help=text,
-                           choices=f.metadata.get("choices"))
+        kind = ({"action": argparse.BooleanOptionalAction} if f.type == "bool" else
+                {"type": {"int": int, "float": float, "int | None": int}.get(f.type, str),
+                 "choices": f.metadata.get("choices")})
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind,
+                       help=f.metadata["help"] + " (%(default)s)")
     return p
 
 
