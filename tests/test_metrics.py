@@ -323,22 +323,3 @@ def test_spmd_executions_are_counted_in_execute_replicated_time():
     """
     out = run_python(code, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}).stdout
     assert out.split() == ["1", "None"]  # SPMD: ExecuteReplicatedTime, never ExecuteTime
-
-
-@pytest.mark.parametrize("environ", [
-    {}, {"COLAB_RELEASE_TAG": "r"},
-    {"COLAB_RELEASE_TAG": "r", "TPU_ACCELERATOR_TYPE": "v5litepod-1"},
-    {"KAGGLE_KERNEL_RUN_TYPE": "i", "TPU_ACCELERATOR_TYPE": "v5litepod-8"},
-    {"TPU_ACCELERATOR_TYPE": "v4-8", "XDG_CACHE_HOME": "/xdg"},
-], ids=["local", "colab-cpu", "colab-v5e1", "kaggle-v5e8", "tpu-vm-v4"])
-def test_compile_cache_dir_alone_matches_the_env_module(environ, tmp_path):
-    """compile_cache.py stands alone (its own small runtime detection); without a runtime
-    it picks the same folder as with ``tpu_helpers.env.detect_runtime``'s."""
-    from tpu_helpers.compile_cache import compile_cache_dir
-    from tpu_helpers.env import detect_runtime
-
-    where = {"environ": environ, "colab_drive": tmp_path / "drive", "home": tmp_path}
-    (tmp_path / "drive").mkdir()
-    alone = compile_cache_dir(**where)
-    assert alone == compile_cache_dir(detect_runtime(environ), **where)
-    assert alone.path.name.endswith(environ.get("TPU_ACCELERATOR_TYPE", "cpu"))

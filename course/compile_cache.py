@@ -1,8 +1,9 @@
 """The persistent XLA compile cache, turned on the right way, and what it does on 2.8 and 2.9.
 
-Taught in notebooks 05 and 03. Needs no sibling; importing it or choosing the folder never
-touches the device. The folder (Drive on Colab, /kaggle/working on Kaggle, else ~/.cache) is named
-after the torch_xla release and hardware.
+Course code (notebook 05): on the releases the course supports the cache saves no compile, so it
+is not in the toolkit. Importing it or choosing the folder never touches the device. The folder
+(Drive on Colab, /kaggle/working on Kaggle, else ~/.cache) is named after the torch_xla release
+and hardware (``tpu_helpers.env.detect_runtime``).
 
 On torch_xla 2.8 and 2.9 the cache is written but never loaded back, on a TPU exactly as on
 XLA:CPU: a new process finds the file, ``DeserializeExecutable`` answers UNIMPLEMENTED (TPU: libtpu;
@@ -21,38 +22,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tpu_helpers.env import detect_runtime
+
 CACHE_ENV = "TPU_NB_COMPILE_CACHE"  # set it to force a cache folder (any platform)
 COLAB_DRIVE = Path("/content/drive/MyDrive")
 KAGGLE_WORKING = Path("/kaggle/working")
-#: Google's PCI device id -> TPU generation (as in torch_xla/_internal/tpu.py).
-_PCI = {"0x0027": "v3", "0x005e": "v4", "0x0063": "v5e", "0x0062": "v5p", "0x006f": "v6e"}
 #: torch_xla releases whose cache is written but never loaded back (see the module docstring).
 WRITE_ONLY_RELEASES = ("2.8", "2.9")
 #: Where the compile cache goes, whether it outlives the session, and why.
 CacheLocation = namedtuple("CacheLocation", "path persistent note")
 
 
-def _detect(env: Mapping[str, str]) -> tuple[str, str]:
-    """(platform, hardware) from the environment and sysfs, as ``env.detect_runtime`` does."""
-    platform = ("colab" if {"COLAB_RELEASE_TAG", "COLAB_BACKEND_VERSION"} & env.keys() else
-                "kaggle" if {"KAGGLE_KERNEL_RUN_TYPE", "KAGGLE_URL_BASE"} & env.keys()
-                or Path("/kaggle").is_dir() else "local")
-    try:
-        gens = [_PCI.get(d.read_text().strip()) for d in Path("/sys/bus/pci/devices").glob(
-            "*/device") if (d.parent / "vendor").read_text().strip() == "0x1ae0"]  # Google
-    except OSError:  # unreadable sysfs: no TPU known
-        gens = []
-    return platform, env.get("TPU_ACCELERATOR_TYPE") or next(filter(None, gens), "cpu")
-
-
 def compile_cache_dir(runtime: Any = None, environ: Mapping[str, str] | None = None,
                       colab_drive: Path = COLAB_DRIVE, kaggle_working: Path = KAGGLE_WORKING,
                       home: Path | None = None) -> CacheLocation:
-    """The compile cache folder: ``$TPU_NB_COMPILE_CACHE``, else per platform. ``runtime``: has
-    ``platform``, ``accelerator_type``, ``tpu_generation`` (default: read from env and sysfs)."""
+    """The compile cache folder: ``$TPU_NB_COMPILE_CACHE``, else per platform. ``runtime``: an
+    ``env.Runtime`` (default: ``detect_runtime`` of ``environ``)."""
     env = os.environ if environ is None else environ
-    platform, hardware = _detect(env) if runtime is None else (
-        runtime.platform, runtime.accelerator_type or runtime.tpu_generation or "cpu")
+    runtime = detect_runtime(env) if runtime is None else runtime
+    platform = runtime.platform
+    hardware = runtime.accelerator_type or runtime.tpu_generation or "cpu"
     release = next((d.version for d in md.distributions(name="torch_xla")), "unknown")
     tag = Path("xla-cache", f"torch_xla-{release.split('+')[0]}-{hardware}")
     if env.get(CACHE_ENV):
