@@ -1,7 +1,6 @@
-"""SPMD sharding: a device mesh, where each shard lives, sharded checkpoints saved atomically
-and loaded safely. Taught in ``notebooks/07_model_sharding_spmd.ipynb`` (03 and 04 use
-:func:`device_mesh`). Copy this file alone: no sibling. Importing it does not start the XLA
-runtime; call the runtime functions after ``xr.use_spmd()``."""
+"""SPMD: a device mesh, where each shard lives, sharded checkpoints saved atomically and loaded
+safely. Taught in notebook 07 (03 and 04 use :func:`device_mesh`). Copy this file alone;
+importing it starts no XLA runtime (call the runtime functions after ``xr.use_spmd()``)."""
 
 import contextlib
 import dataclasses
@@ -76,12 +75,10 @@ def device_mesh(axis_names: tuple[str, ...] = ("data",),
 
 def jax_lowers_for_gspmd() -> str:
     """Make jax lower its sharding ops for torch_xla's partitioner (GSPMD), as torch_xla 2.9 does
-    whenever it imports jax (``maybe_get_jax`` in ``_internal/jax_workarounds.py``, v2.9.0:
-    ``jax.config.update('jax_use_shardy_partitioner', False)``). torch_xla 2.8 does not: with
-    jax 0.7.2 (Shardy by default; Kaggle's image) ``xs.shard_as``, and with it the backward of
-    ``scan`` / ``scan_layers`` under SPMD, fail in XLA's partitioner ("Side-effect HLO must have
-    sharding ... xla.sdy.ShardingGroup"). Call it after ``xr.use_spmd()``; returns what it did.
-    Without jax there is nothing to do (and those functions need jax anyway)."""
+    when it imports jax (``maybe_get_jax``, ``_internal/jax_workarounds.py`` v2.9.0). 2.8 does
+    not: with jax 0.7.2 (Shardy by default; Kaggle) ``xs.shard_as``, so the backward of ``scan``
+    / ``scan_layers`` under SPMD, fails in XLA's partitioner ("Side-effect HLO must have sharding
+    ... xla.sdy.ShardingGroup"). Call it after ``xr.use_spmd()``; returns what it did."""
     if importlib.util.find_spec("jax") is None:
         return "jax is not installed: nothing to do"
     xr.global_runtime_device_count()  # torch_xla opens its devices before jax is imported
@@ -165,9 +162,8 @@ def tensor_placements(t: torch.Tensor) -> list[ShardPlacement]:
 
 def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module
                      ) -> list[dict[str, Any]]:
-    """One row per tensor of a mapping (or parameter of a module): ``copies`` (devices
-    holding each element), ``bytes`` (whole tensor), ``bytes/device`` (padded shard) and
-    their ``fraction``. ``pd.DataFrame(rows).set_index("tensor")`` makes it a table."""
+    """A row per tensor (or parameter): ``copies`` (devices holding each element), ``bytes``,
+    ``bytes/device`` (padded shard), ``fraction``; ``pd.DataFrame(rows)`` makes a table."""
     named = (tensors.named_parameters() if isinstance(tensors, torch.nn.Module)
              else tensors.items())
     rows = []
@@ -185,9 +181,8 @@ def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Hide what ``dist_cp`` with torch_xla's planners warns on every call, all informational:
-    torch's single-process notice, its planner-signature nag, and two deprecations inside the
-    libraries (torch's ``TypedStorage``; torch_xla's list index in ``xla_sharded_tensor.py``)."""
+    """Hide what ``dist_cp`` with torch_xla's planners warns on every call, all informational
+    (single process, planner signature, two deprecations inside torch and torch_xla)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")
         warnings.filterwarnings("ignore", message=r"The function definition for SavePlanner")
@@ -209,9 +204,8 @@ def _from_coordinator(value: Any) -> Any:
 
 
 def _all_hosts_ok(error: BaseException | None, what: str) -> None:
-    """Raise on every rank if ``what`` failed on any (no rank goes on to wait for the others
-    forever): the own error where it happened, else a :class:`ShardedCheckpointError` naming
-    the ranks. torch's ``CheckpointException`` (a ``BaseException``) becomes one too."""
+    """Raise on every rank if ``what`` failed on any (none waits for the others forever): the
+    own error, else (and for torch's ``CheckpointException``) a :class:`ShardedCheckpointError`."""
     text = None if error is None else f"{type(error).__name__}: {error}"
     texts = [text]
     if _group():
@@ -227,8 +221,7 @@ def _all_hosts_ok(error: BaseException | None, what: str) -> None:
 
 
 def _swap_into_place(tmp: Path, final: Path) -> None:
-    """Rename the finished ``tmp`` onto ``final``; the old folder waits as
-    ``.<name>.old-<pid>`` between the two renames (the loader falls back to it)."""
+    """Rename ``tmp`` onto ``final``; between the renames the old one is ``.<name>.old-<pid>``."""
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if final.exists():
         os.replace(final, old)  # a folder cannot be renamed over a full one
@@ -243,17 +236,12 @@ def _swap_into_place(tmp: Path, final: Path) -> None:
 
 
 def xla_storage_writer(directory: str | os.PathLike[str]) -> dist_cp.FileSystemWriter:
-    """``dist_cp.FileSystemWriter(directory, per_thread_copy_ahead=0)``: the writer to pass to
-    ``dist_cp.save`` for XLA tensors, as torch_xla's own ``CheckpointManager`` does
-    (``experimental/distributed_checkpoint/manager.py``, v2.8.0 and v2.9.0).
-
-    With jax importable, ``xs.mark_sharding`` imports the ``torchax`` that ships inside the
-    torch_xla wheel (``maybe_get_torchax``), which renames torch's ``privateuse1`` backend to
-    ``"jax"`` and registers a device module without streams. The default writer then picks
-    torch's ``_OverlappingCpuLoader`` (any available ``privateuse1`` device) and fails:
-    ``module 'torchax.device_module' has no attribute 'current_stream'`` (torch_xla 2.8 with
-    jax, Kaggle's image; 2.9 with jax and flax, Colab's). ``per_thread_copy_ahead=0`` takes the
-    serial loader, which copies each tensor to the host the same way (``.cpu()``)."""
+    """``dist_cp.FileSystemWriter(directory, per_thread_copy_ahead=0)`` for XLA tensors, as
+    torch_xla's ``CheckpointManager`` does (``distributed_checkpoint/manager.py``, v2.8.0/v2.9.0).
+    With jax importable, ``xs.mark_sharding`` imports the wheel's ``torchax``, whose device module
+    has no streams; the default writer's ``_OverlappingCpuLoader`` then fails (``'torchax.
+    device_module' has no attribute 'current_stream'``: 2.8 with jax, Kaggle; 2.9 with jax and
+    flax, Colab). ``per_thread_copy_ahead=0`` copies each tensor serially (``.cpu()``)."""
     return dist_cp.FileSystemWriter(directory, per_thread_copy_ahead=0)
 
 
@@ -261,16 +249,12 @@ def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
                             storage: str = "shared") -> Path:
     """``dist_cp.save`` (``SPMDSavePlanner``, no gather) into a temporary folder renamed onto
     ``directory``: a kill leaves the old checkpoint (``.<name>.old-<pid>`` between the renames,
-    which the loader falls back to) or the new one. Call it on every host of a pod, after
-    ``dist.init_process_group("gloo", init_method="xla://")``; a failure on any host raises
-    on all of them and keeps the old checkpoint (one process: no group needed).
-
-    ``storage="shared"``: ``directory`` is one folder every host sees (NFS, GCS fuse). All
-    hosts write into one temporary folder named by rank 0 (each its ``__<rank>_0.distcp``,
-    rank 0 the ``.metadata``), rank 0 checks every file it names is there and renames it into
-    place. ``storage="local"``: each host its own disk; each writes a complete checkpoint of
-    what it holds (its shards and every replicated value, its own ``.metadata``) into its own
-    ``directory``, which loads back on that host with the same mesh and sharding."""
+    which the loader falls back to) or the new one. On a pod call it on every host after
+    ``dist.init_process_group("gloo", init_method="xla://")``; a failure on any host raises on
+    all and keeps the old checkpoint. ``storage="shared"`` (one folder every host sees): all
+    write into rank 0's temporary folder, rank 0 checks every file and renames it. ``"local"``
+    (each host its own disk): each host writes what it holds (its shards, replicated values,
+    its ``.metadata``), which loads back there with the same mesh and sharding."""
     if storage not in ("shared", "local"):
         raise ValueError(f"storage must be 'shared' or 'local', not {storage!r}")
     final = Path(directory)
@@ -311,8 +295,8 @@ class ShardedCheckpointError(RuntimeError):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Allows only checkpoint metadata classes, ``torch.Size``, dtypes and paths: a crafted
-    ``.metadata`` cannot run code (plain ``pickle.load``, which ``dist_cp`` uses, would)."""
+    """Only metadata classes, ``torch.Size``, dtypes, paths: a crafted ``.metadata`` runs no
+    code (``dist_cp``'s plain ``pickle.load`` would)."""
 
     _ALLOWED = {
         *(("torch.distributed.checkpoint.metadata", n) for n in """Metadata MetadataIndex
@@ -365,8 +349,7 @@ class _SafeReader(dist_cp.FileSystemReader):
 
 
 def _check_folder(folder: Path, metadata: Metadata, shared: bool = False) -> None:
-    """Every data file ``folder/.metadata`` names is in ``folder``, or a
-    :class:`ShardedCheckpointError` names the first one missing."""
+    """Every data file ``.metadata`` names is in ``folder``, else the first one missing."""
     names = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:
@@ -382,8 +365,7 @@ Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 
 def _first_gap(box: Box, chunks: Sequence[Box]) -> tuple[int, ...] | None:
-    """An index inside ``box`` that no chunk holds (None: covered). Exact: it cuts ``box``
-    at every chunk edge and tests one corner per cell (a few cells for tiled shardings)."""
+    """An index in ``box`` no chunk holds (None: covered): one corner per cell of the cuts."""
     cuts = [sorted({lo, hi, *(e for c in chunks for e in c[d] if lo < e < hi)})
             for d, (lo, hi) in enumerate(box)]
     for corner in itertools.product(*(c[:-1] for c in cuts)):
@@ -394,10 +376,9 @@ def _first_gap(box: Box, chunks: Sequence[Box]) -> tuple[int, ...] | None:
 
 
 def _local_shard_indices(t: torch.Tensor) -> list[Any]:
-    """The index (slices, or ``...`` for all of it) of each shard of ``t`` on this host's
-    devices. Private torch_xla call on purpose: the public ``XLAShardedTensor(t).local_shards``
-    gives the same indices but first copies every shard to the host, which a loader checking a
-    big model must not do (same call and result in torch_xla 2.8 and 2.9)."""
+    """The index (slices, or ``...``) of each shard of ``t`` on this host's devices. Private
+    torch_xla call on purpose: the public ``XLAShardedTensor(t).local_shards`` first copies every
+    shard to the host (same call and result in torch_xla 2.8 and 2.9)."""
     (pairs,) = torch_xla._XLAC._get_local_shard_replica_and_indices([t])
     return [index for _, index in pairs]
 
@@ -413,8 +394,7 @@ def _needed(t: torch.Tensor) -> list[Box]:
 
 
 def _check_targets(folder: Path, metadata: Metadata, state_dict: Mapping[str, Any]) -> None:
-    """Each tensor of ``state_dict`` is in the checkpoint (KeyError), with its shape
-    (ValueError), and every element this host loads is in a saved chunk (no partial load)."""
+    """Each tensor saved (KeyError), its shape (ValueError), each element this host loads."""
     saved = metadata.state_dict_metadata
     for key, value in ((k, v) for k, v in state_dict.items() if isinstance(v, torch.Tensor)):
         if key not in saved:
@@ -450,12 +430,10 @@ def _existing_folder(folder: Path) -> Path:
 def load_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str]
                             ) -> Mapping[str, Any]:
     """Load a :func:`save_sharded_checkpoint` folder into ``state_dict``'s tensors in place
-    (shardings kept) and return it; on a pod call it on every host (a failure on one raises
-    on all). Checked first: ``.metadata`` (read safely) and every data file it names, names
-    and shapes (KeyError / ValueError), and that the saved chunks hold every element this host
-    loads; a refused, corrupt or incomplete folder raises :class:`ShardedCheckpointError`.
-    Each host reads the folder on its own (``no_dist``): a ``storage="local"`` folder
-    differs per host."""
+    (shardings kept) and return it; on a pod call it on every host (a failure on one raises on
+    all; each reads on its own, ``no_dist``). Checked first: ``.metadata`` (read safely), its
+    data files, names and shapes (KeyError / ValueError), and that the saved chunks hold every
+    element this host loads; else :class:`ShardedCheckpointError`."""
     error = None
     try:
         folder = _existing_folder(Path(directory))
