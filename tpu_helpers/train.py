@@ -1,12 +1,10 @@
 """Multi-core training the way upstream writes it: one per-replica :func:`fit`, read top to bottom.
 
-Taught in ``notebooks/03_multicore_training.ipynb`` (its ``#@save`` cells: :func:`train_step`,
-:func:`step_seed`, :func:`train_epoch`). Copy it with ``checkpoint.py``, ``data.py`` (the
-loaders, from the GLOBAL batch) and ``launch.py``. :func:`train` runs :func:`fit` under
-``launch`` or SPMD; options are :class:`Config`, also flags of the script for pod workers
-(``python -m tpu_helpers.train --data train.npz --eval-data test.npz --out-dir runs/a``; no
-``--data``: fake data, like upstream's). A resume from ``out_dir/checkpoints`` continues bit
-for bit. A ``loaders_fn`` giving dict batches (``buckets.py``) trains ``model(tokens, mask)``.
+Taught in notebook 03 (its ``#@save`` cells: :func:`train_step`, :func:`step_seed`,
+:func:`train_epoch`). Copy it with ``checkpoint.py``, ``data.py`` and ``launch.py``.
+:func:`train` runs :func:`fit` under ``launch`` or SPMD; :class:`Config` is also the script's
+flags (``python -m tpu_helpers.train --data train.npz --out-dir runs/a``; no ``--data``: fake
+data). A resume continues bit for bit. Dict batches (``buckets.py``) train ``model(tokens, mask)``.
 """
 
 from __future__ import annotations
@@ -88,13 +86,11 @@ class Config:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value, choices = getattr(self, f.name), f.metadata.get("choices")
-            if f.name in _AT_LEAST_1 and value is not None and value < 1:  # max_steps: None ok
+            if f.name in ("epochs", "global_batch", "eval_global_batch", "log_every", "keep",
+                          "max_steps") and value is not None and value < 1:  # None: no limit
                 raise ValueError(f"{f.name} must be >= 1, got {value}")
             if choices and value not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
-
-
-_AT_LEAST_1 = ("epochs", "global_batch", "eval_global_batch", "log_every", "keep", "max_steps")
 
 
 class Net(nn.Module):
