@@ -1,23 +1,13 @@
 """Text of any length without recompiling: length buckets (torch + numpy + stdlib only).
 
-Taught in ``notebooks/09_transformers_variable_length.ipynb``. Needs no sibling.
-XLA compiles one graph per input shape, so a batch padded to its own longest sample compiles
-again for every new length. Here every batch holds samples of one bucket and is padded to that
-bucket's length (``boundaries``, e.g. ``(64, 128, 256)``): at most one graph per bucket.
-
-- :func:`check_samples` checks every sample on the host before anything compiles (an empty
-  sample, one longer than the largest bucket or a token outside the vocabulary is a
-  :class:`BucketError` naming the sample index) and returns each sample's bucket.
-- :class:`BucketSampler` (training) and :class:`BucketEvalSampler` (evaluation) plan the same
-  steps on every replica: at step ``s`` all replicas run the same bucket (a replica running
-  another graph would wait forever in the all-reduce), each has the same number of steps, and
-  the plan depends only on ``(seed, epoch)``. Evaluation pads with masked rows so that every
-  sample is scored exactly once.
-- :class:`BucketDataset` + :func:`collate` turn a batch into ``tokens`` ``[B, L]``, ``mask``
-  ``[B, L]`` (True on real tokens) and ``index`` ``[B]`` (-1 on padding rows).
-
-Use them with a plain ``DataLoader(BucketDataset(samples, boundaries),
-batch_sampler=BucketSampler(...), collate_fn=collate)``.
+Taught in notebook 09. Needs no sibling. XLA compiles a graph per input shape; here a batch holds
+samples of one bucket padded to its length (``boundaries``, e.g. ``(64, 128, 256)``): at most one
+graph per bucket. :func:`check_samples` checks every sample on the host first (a
+:class:`BucketError` names it); :class:`BucketSampler` (training) and :class:`BucketEvalSampler`
+(every sample scored once) give every replica the same bucket at each step, the plan depending
+only on ``(seed, epoch)``; ``DataLoader(BucketDataset(samples, boundaries),
+batch_sampler=BucketSampler(...), collate_fn=collate)`` gives ``tokens``/``mask`` ``[B, L]`` and
+``index`` ``[B]`` (-1 on padding rows).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Checkpoints that survive preemption: complete state, written atomically, loaded safely.
 
-Taught in ``notebooks/03_multicore_training.ipynb``; :mod:`tpu_helpers.train` saves one per
-epoch (or every N steps) and resumes from the newest. Needs no sibling module.
-
-* :func:`capture_training_state`: model/optimizer state, epoch, batch in epoch, step and
-  every RNG (torch, numpy, ``random``, XLA), so a resumed run continues bit for bit.
-* :func:`save_checkpoint`: called on every replica; only the writer writes, through
-  :func:`atomic_write` (temp file, fsync, ``os.replace``, folder fsync); then a barrier.
-* :func:`load_checkpoint`: ``torch.load(weights_only=True)``: a file cannot run code.
-
-Importing this module does not touch the XLA device.
+Taught in notebook 03 (``train.py`` saves and resumes with it). Needs no sibling; importing it
+does not touch the XLA device. :func:`capture_training_state` records every RNG (a resume is
+bit for bit), :func:`save_checkpoint` writes on the writer replica only through
+:func:`atomic_write`, :func:`load_checkpoint` uses ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Replica data loading for XLA: fixed batch shapes, each sample once, bad items named.
 
-Taught in ``notebooks/01_dataset_setup.ipynb`` (written there by hand first) and
-``notebooks/02_parallel_loader.ipynb`` (wrapped in ``MpDeviceLoader``). Copy this file alone:
-it needs torch and numpy; importing it imports no torch_xla (only omitted ``world_size``/``rank``
-ask the runtime). Two batch sizes, two names: ``global_batch`` is the rows one optimizer step
-takes over ALL replicas, ``per_replica_batch`` the rows one replica loads per step
-(:func:`per_replica_batch` splits the first into the second, or raises). :class:`ArrayDataset`
-holds checked numpy fields (forked workers share the pages); :func:`make_train_loader` takes the
-GLOBAL batch and gives each replica as many full per-replica batches of distinct samples (the
-ragged tail is dropped, never repeated); :func:`make_eval_loader` takes the GLOBAL batch too and
-pads the last batches with masked rows (index ``-1``) so each index is scored once. The raw forms
-notebook 01 writes (``replica_*``) take the per-replica batch. Every check raises
-:class:`DataError` naming the row or dataset index.
+Taught in notebooks 01 (written by hand first) and 02. Copy this file alone: torch and numpy
+only (omitted ``world_size``/``rank`` ask torch_xla's runtime). ``global_batch``: rows one
+optimizer step takes over ALL replicas; ``per_replica_batch``: rows one replica loads
+(:func:`per_replica_batch` splits, or raises). :func:`make_train_loader` gives each replica the
+same number of full batches of distinct samples; :func:`make_eval_loader` pads with masked rows
+(index ``-1``) so each index is scored once; both take the GLOBAL batch (notebook 01's raw
+``replica_*`` forms take the per-replica one). Every check raises :class:`DataError` naming the
+row or dataset index.
 """
 
 from __future__ import annotations

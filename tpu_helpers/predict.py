@@ -1,15 +1,12 @@
 """Predictions from every replica, exactly once, in dataset order: the loop and the backends.
 
-Taught in ``notebooks/04_prediction_gathering.ipynb`` (its ``#@save`` cell is :func:`pack_ids`
-and :func:`gather_step`); needs ``ordering.py``. ``predict`` runs
-on every replica over full, padded batches ``(x, ..., index, mask)`` (``data.make_eval_loader``;
-the model gets ``x``) or dicts ``{"tokens" [B, L], "mask" [B, L], "index" [B]}`` (length
-buckets, ``buckets.BucketEvalSampler`` + ``collate``: index -1 marks a padding row; the model
-gets ``(tokens, mask)``; ``L`` may change per step: one compile per bucket).
-Backends only move rows: :class:`XlaReplicas` (``xm.all_gather`` in the step graph),
-:class:`SpmdMesh` (shards as they are), :class:`TorchDistributedReplicas` (e.g. gloo). Bad
-input raises :class:`PredictionError` on the host, naming the step and indices, before its
-graph compiles. Importing this module does not touch the XLA device.
+Taught in notebook 04 (its ``#@save`` cell: :func:`pack_ids`, :func:`gather_step`); needs
+``ordering.py``. :func:`predict` runs on every replica over full, padded batches ``(x, ...,
+index, mask)`` (``data.make_eval_loader``) or length-bucket dicts (``buckets.collate``: the model
+gets ``(tokens, mask)``, one compile per bucket). Backends only move rows: :class:`XlaReplicas`
+(``xm.all_gather`` in the step graph), :class:`SpmdMesh`, :class:`TorchDistributedReplicas`. Bad
+input is a :class:`PredictionError` naming the step and indices, before a hang. Importing this
+module does not touch the XLA device.
 """
 
 from __future__ import annotations

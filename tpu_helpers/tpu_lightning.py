@@ -1,17 +1,10 @@
 """PyTorch Lightning 2.6 on TPU: Trainer arguments, atomic checkpoints, exactly-once predictions.
 
-Taught in ``notebooks/06_lightning_on_tpu.ipynb``. Copy it with ``checkpoint.py`` (atomic
-writes, safe loads) and ``ordering.py`` (rank files, exactly-once merge). Named
-``tpu_lightning`` because a ``lightning.py`` in your project would hide the lightning package.
-
-* :func:`trainer_kwargs`: ``Trainer(**trainer_kwargs(devices))`` on a TPU, devices checked early.
-* :class:`AtomicXLACheckpointIO`: checkpoints written atomically and loaded ``weights_only``.
-* :class:`ExactlyOncePredictionWriter`: ``trainer.predict`` returns ``None`` with several
-  processes (Lightning issue 7755); this writes every prediction once, in dataset order.
-  ``writer.predict(trainer, model, loader)`` also predicts fewer samples than processes
-  (Lightning 2.6's predict sampler asserts one sample per process).
-
-Importing this module imports Lightning and torch_xla but does not touch the XLA device.
+Taught in notebook 06. Copy it with ``checkpoint.py`` and ``ordering.py`` (named
+``tpu_lightning`` because a ``lightning.py`` would hide the lightning package). Importing it
+imports Lightning and torch_xla but does not touch the XLA device. ``trainer.predict`` returns
+``None`` with several processes (Lightning issue 7755): :class:`ExactlyOncePredictionWriter`
+writes every prediction once, in dataset order, also for fewer samples than processes.
 """
 
 from __future__ import annotations
