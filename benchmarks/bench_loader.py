@@ -33,7 +33,8 @@ import time
 from benchmarks._common import quick_mode
 from tpu_helpers.env import configure_emulation
 
-BATCH_SIZE = 64
+#: Rows one replica loads per step (one replica: the DataLoader's batch_size).
+PER_REPLICA_BATCH = 64
 
 
 def run(quick: bool = False, decode_row: bool = True) -> list[dict]:
@@ -69,7 +70,7 @@ def run(quick: bool = False, decode_row: bool = True) -> list[dict]:
     }
     measured = {}
     for pipeline, dataset in pipelines.items():
-        loader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, drop_last=True)
+        loader = DataLoader(dataset, batch_size=PER_REPLICA_BATCH, shuffle=True, drop_last=True)
         measured[pipeline] = [t.as_row() for t in compare_loops(loader, step, device,
                                                                  steps=steps, rounds=rounds)]
     # Both runs timed the same on-device loop: the better one is the ceiling for both.
@@ -88,7 +89,8 @@ def run(quick: bool = False, decode_row: bool = True) -> list[dict]:
     out.append(ceiling)
     if decode_row:
         files = ImageFolderDataset(data_dir() / "digits", "train", verify=False)
-        decode_loader = DataLoader(files, batch_size=BATCH_SIZE, shuffle=True, drop_last=True)
+        decode_loader = DataLoader(files, batch_size=PER_REPLICA_BATCH, shuffle=True,
+                                   drop_last=True)
         row = time_loop("MpDeviceLoader, PNG decode per item",
                         lambda: device_loader_loop(decode_loader, step, device, steps)).as_row()
         row["pipeline"] = "PNG decode per item"
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = run(quick=quick)
     print(format_rows(rows))
-    print(f"({time.perf_counter() - start:.0f} s; batch {BATCH_SIZE}, XLA:CPU timings are "
+    print(f"({time.perf_counter() - start:.0f} s; batch {PER_REPLICA_BATCH}, XLA:CPU timings are "
           "inflated by other load on this machine)")
     return 0
 

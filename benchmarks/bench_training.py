@@ -73,7 +73,8 @@ from typing import Any
 from benchmarks._common import quick_mode
 
 REPO = Path(__file__).resolve().parent.parent
-BATCH_SIZE = 64
+#: Rows per optimizer step over all replicas; one replica here, so also each DataLoader's batch.
+GLOBAL_BATCH = 64
 #: Ours and the upstream pattern log every 20 steps (upstream's default log_steps).
 LOG_EVERY = 20
 #: Compiles in the first WARMUP_STEPS steps count as warm-up.
@@ -203,7 +204,7 @@ def article_row(epochs: int, images, labels) -> None:
         BENCH.stop()
 
     FLAGS = {}
-    FLAGS['batch_size'] = BATCH_SIZE  # article: 8 (a per-core batch of 1 on 8 cores)
+    FLAGS['batch_size'] = GLOBAL_BATCH  # article: 8 (a per-core batch of 1 on 8 cores)
     FLAGS['num_epochs'] = epochs
     # article: xmp.spawn(train_loop, args=(FLAGS,), nprocs=8, start_method='fork'); nprocs may
     # only be 1 or None, and on this machine the spawn runs one process: we call its function.
@@ -227,7 +228,7 @@ def upstream_row(epochs: int, images, labels) -> None:
     from course.models import DigitsCNN
     from tpu_helpers.data import ArrayDataset
 
-    flags = SimpleNamespace(batch_size=BATCH_SIZE, num_epochs=epochs, num_workers=0,
+    flags = SimpleNamespace(batch_size=GLOBAL_BATCH, num_epochs=epochs, num_workers=0,
                             drop_last=False, lr=0.01, momentum=0.5, log_steps=LOG_EVERY,
                             async_closures=False)
 
@@ -303,7 +304,7 @@ def lightning_row(epochs: int, images, labels) -> None:
         def on_train_end(self, trainer, pl_module):
             BENCH.stop()
 
-    loader = DataLoader(ArrayDataset(images, labels), batch_size=BATCH_SIZE, shuffle=True)
+    loader = DataLoader(ArrayDataset(images, labels), batch_size=GLOBAL_BATCH, shuffle=True)
     with tempfile.TemporaryDirectory() as root, redirect_stderr(io.StringIO()), \
             redirect_stdout(io.StringIO()):
         trainer = L.Trainer(**trainer_kwargs(1), max_epochs=epochs, logger=False,
@@ -333,7 +334,7 @@ def ours_row(epochs: int, images, labels, sgd: bool = False) -> None:
 def _config(epochs: int, sgd: bool):
     from tpu_helpers.train import Config
 
-    config = Config(epochs=epochs, global_batch=BATCH_SIZE, log_every=LOG_EVERY)
+    config = Config(epochs=epochs, global_batch=GLOBAL_BATCH, log_every=LOG_EVERY)
     if sgd:
         return dataclasses.replace(config, optimizer="sgd", **UPSTREAM_SGD)
     return config
@@ -582,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = run(quick=quick)
     print(format_rows(rows))
-    print(f"({time.perf_counter() - start:.0f} s; batch {BATCH_SIZE}; each row in its own "
+    print(f"({time.perf_counter() - start:.0f} s; batch {GLOBAL_BATCH}; each row in its own "
           "process; XLA:CPU timings are inflated by other load on this machine)")
     return 0
 

@@ -13,12 +13,15 @@ course shows on top of it:
   ``LimitExceeded`` also names each compile's cause and frame, and whose result holds the
   block's metrics table (``t.details["report"]``) and causes (``t.details["compile_causes"]``).
 * :func:`measure_steps` / :class:`StepCost`: a step's cost after warm-up (notebook 05's table).
+* :func:`run_python`: a fresh Python process (notebook 05's ``PT_XLA_DEBUG_LEVEL=2`` and
+  compile-cache children: settings a running process can no longer change).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -294,3 +297,28 @@ def measure_steps(step: Callable[..., object], batches: Sequence[Sequence[Any]],
         seconds = time.perf_counter() - start
     return StepCost(steps=len(batches) - warmup, seconds=seconds, warmup_seconds=warm,
                     counts=t.counts, fallback_ops=t.fallback_ops)
+
+
+# --------------------------------------------------------------------------- child processes
+
+#: The folder holding ``course`` and ``tpu_helpers``, so that a child process imports them too.
+_REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def run_python(script: str, *args: object, timeout: float = 300,
+               **env: str | None) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh Python with this process's environment plus ``env`` (a value
+    of None removes a variable) and ``args`` as ``sys.argv[1:]``; return the finished process.
+
+    The child can import this repository (its folder is put first on ``PYTHONPATH``, which
+    keeps what was there). Raises ``RuntimeError`` with the end of its stderr if it fails.
+    """
+    full = {**os.environ, **env}
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, full.get("PYTHONPATH")) if p)
+    full = {k: v for k, v in full.items() if v is not None}
+    child = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=full,
+                           capture_output=True, text=True, timeout=timeout)
+    if child.returncode:
+        raise RuntimeError(f"the child process failed ({child.returncode}):\n"
+                           f"{child.stderr[-3000:]}")
+    return child

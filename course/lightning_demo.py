@@ -10,6 +10,9 @@
 * :func:`lightning_processes`, :func:`lightning_devices_table`, :func:`describe_choice`.
 * :class:`LitDigits`: :class:`course.models.DigitsCNN` as a LightningModule, the class
   notebook 06 writes in its ``#@save`` cell and trains.
+* :class:`DigitsData`: the LightningDataModule notebook 06 writes in its ``#@save`` cell: a
+  training loader whose own ``DistributedSampler(drop_last=True)`` is built in each process
+  (Lightning keeps a sampler that already is a ``DistributedSampler``), so no sample repeats.
 * :class:`XLACountsCallback`: compiles, transfers and ``strategy.reduce`` calls per epoch
   and per step, written per rank to a file (:func:`read_counts`): with several processes
   the callback object in the notebook is not the one that ran.
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 import torch_xla.core.xla_model as xm  # importing it does not start the runtime
 from lightning.pytorch.accelerators import XLAAccelerator
+from torch.utils.data import DataLoader, DistributedSampler
 
 from course.models import DigitsCNN
 from tpu_helpers.checkpoint import atomic_write
@@ -118,7 +122,7 @@ def lightning_devices_table() -> pd.DataFrame:
     rows = []
     for accel, gen, chips in [("v2-8 / v3-8", "v3", 4), ("v4-8", "v4", 4),
                               ("v5e-1 (Colab)", "v5e", 1), ("v5e-8 (Kaggle)", "v5e", 8),
-                              ("v5p-8", "v5p", 4), ("v6e-1 (Colab)", "v6e", 1),
+                              ("v5p-8", "v5p", 4), ("v6e-1", "v6e", 1),
                               ("v6e-8", "v6e", 8)]:
         lay = layout_for(gen, chips)
         n = lay.world_size
@@ -180,6 +184,33 @@ class LitDigits(L.LightningModule):
                                  weight_decay=self.hparams.weight_decay)
 
 
+class DigitsData(L.LightningDataModule):
+    """Notebook 06's loaders for one process (``#@save`` cell there; a test keeps them equal).
+
+    ``train_dataloader`` runs in every process Lightning starts, where ``self.trainer`` knows
+    the world size and this process's rank, and builds its own
+    ``DistributedSampler(drop_last=True)``: Lightning leaves a loader alone whose sampler
+    already is a ``DistributedSampler`` (``_requires_distributed_sampler`` in Lightning 2.6's
+    ``trainer/connectors/data_connector.py``) and still calls its ``set_epoch``, so the ragged
+    tail is dropped instead of repeated. The validation loader gets Lightning's own sampler.
+    """
+
+    def __init__(self, train_set, val_set, per_replica_batch, val_batch, seed=0):
+        super().__init__()
+        self.train_set, self.val_set, self.seed = train_set, val_set, seed
+        self.per_replica_batch, self.val_batch = per_replica_batch, val_batch
+
+    def train_dataloader(self):   # runs in every process: its rank and the world size are known
+        sampler = DistributedSampler(self.train_set, num_replicas=self.trainer.world_size,
+                                     rank=self.trainer.global_rank, shuffle=True,
+                                     seed=self.seed, drop_last=True)   # drop, never repeat
+        return DataLoader(self.train_set, batch_size=self.per_replica_batch, sampler=sampler,
+                          drop_last=True)
+
+    def val_dataloader(self):   # Lightning puts its own DistributedSampler here
+        return DataLoader(self.val_set, batch_size=self.val_batch)
+
+
 # --------------------------------------------------------------------------- measuring
 
 
@@ -192,11 +223,13 @@ class XLACountsCallback(L.Callback):
     """Per epoch and per training step: what XLA did (:func:`tpu_helpers.metrics.snapshot`).
 
     ``epochs``: one dict per training epoch with the ``Counts`` fields, ``steps``,
-    ``seconds``, ``train_seconds`` (first step start to last step end) and ``reduce_calls``
+    ``seconds``, ``train_seconds`` (first step start to last step end), ``reduce_calls``
     (``trainer.strategy.reduce``, what ``sync_dist=True`` calls; 0 on one device, where
-    Lightning skips it). ``step_transfers_from_device``: per step but an epoch's last, the
-    device-to-host transfers from its start to the next step's start. With ``out_dir``,
-    every rank writes ``counts-rankNNNNN.json`` there when training ends (:func:`read_counts`).
+    Lightning skips it), ``loader_batches`` (the length of the training loader Lightning runs)
+    and ``sampler_drop_last`` (its sampler's ``drop_last``). ``step_transfers_from_device``: per
+    step but an epoch's last, the device-to-host transfers from its start to the next step's
+    start. With ``out_dir``, every rank writes ``counts-rankNNNNN.json`` there when training
+    ends (:func:`read_counts`).
     """
 
     def __init__(self, out_dir: str | Path | None = None) -> None:
@@ -219,6 +252,12 @@ class XLACountsCallback(L.Callback):
         self._reduce = trainer.strategy.reduce
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the training loader Lightning runs (on XLAStrategy wrapped in an MpDeviceLoader,
+        # whose private ``_loader`` is the DataLoader): its batches and its sampler's drop_last
+        loader = getattr(trainer.train_dataloader, "_loader", trainer.train_dataloader)
+        sampler = getattr(loader, "sampler", None)
+        self._loader = {"loader_batches": len(loader),
+                        "sampler_drop_last": bool(getattr(sampler, "drop_last", False))}
         self._start, self._time = snapshot(), time.perf_counter()
         self._reduce_start = self._reduce.calls
         self._steps, self._last, self._first_time = 0, None, None
@@ -248,7 +287,8 @@ class XLACountsCallback(L.Callback):
             "epoch": trainer.current_epoch, "steps": self._steps,
             "seconds": time.perf_counter() - self._time,
             "train_seconds": self._last_time - (self._first_time or self._last_time),
-            **counts.as_dict(), "reduce_calls": self._reduce.calls - self._reduce_start})
+            **counts.as_dict(), "reduce_calls": self._reduce.calls - self._reduce_start,
+            **self._loader})
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.out_dir is None:

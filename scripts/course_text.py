@@ -315,7 +315,7 @@ def evidence_problems(path: str | Path) -> list[str]:
     for i, cell in enumerate(_cells(path), 1):
         if cell.get("cell_type") != "markdown":
             continue
-        src = _src(cell)
+        src = LABEL.sub("", _src(cell))  # a label names its lane; that is not evidence talk
         if re.search(rf"^#+\s+{CHECKED_HEADING}", src, re.M):
             in_checked = True
         if not in_checked and (m := EVIDENCE_WORDS.search(src)):

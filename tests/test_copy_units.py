@@ -1,8 +1,8 @@
 """A user copies a toolkit unit into their own project: it must work there alone.
 
 Each script in ``tests/copy_units/`` names on its first line the toolkit files a user copies
-(``# copies: train.py checkpoint.py``: a unit is one file or a declared pair; tpu_lightning.py
-is the one unit of three). The test copies
+(``# copies: data.py``: a unit is one file or a declared pair; tpu_lightning.py and
+train.py are the units of three). The test copies
 exactly those files into a temporary folder outside the repository and runs the script there
 in a fresh Python with the repository off ``sys.path`` and ``tpu_helpers`` and ``course`` made
 unimportable (so a hidden import of anything else fails), on XLA:CPU. The script prints
@@ -35,10 +35,11 @@ def copied_files(script: Path) -> list[str]:
 
 
 SCRIPTS = sorted(UNITS.glob("*.py"))
-#: The one unit of three files: Lightning's checkpoint IO needs checkpoint.py (atomic writes,
+#: The units of three files: Lightning's checkpoint IO needs checkpoint.py (atomic writes,
 #: safe loads) and its prediction writer needs ordering.py (the rank-file format and the
-#: exactly-once merge shared with predict.py).
-THREE_FILE_UNITS = {"tpu_lightning"}
+#: exactly-once merge shared with predict.py); train.py's checkpoints need checkpoint.py and its
+#: loaders are data.py's (one make_train_loader, one make_eval_loader in the toolkit).
+THREE_FILE_UNITS = {"tpu_lightning", "train"}
 
 
 def test_every_toolkit_module_is_a_tested_copy_unit():

@@ -126,6 +126,8 @@ def test_broken_references_fail(tmp_path):
 def test_evidence_in_the_body_fails_and_in_the_closing_section_passes(tmp_path):
     body = _nb(tmp_path, "99_a.ipynb", [("markdown", "The lane checks this (tests/test_x.py).")])
     assert len(ct.evidence_problems(body)) == 1
+    labelled = _nb(tmp_path, "99_c.ipynb", [("markdown", "Rounded [emulated: TPU-numerics lane].")])
+    assert ct.evidence_problems(labelled) == []
     closing = _nb(tmp_path, "99_b.ipynb", [
         ("markdown", "Lesson."), ("markdown", "## How this notebook is checked\nThe lane.")])
     assert ct.evidence_problems(closing) == []

@@ -80,8 +80,8 @@ def test_train_loader_fixed_shapes_sharding_and_set_epoch():
     ds = D.ArrayDataset(x, y, 10)
     seen = []
     for rank in range(4):
-        loader = D.make_train_loader(ds, 64, world_size=4, rank=rank, seed=1)
-        assert len(loader) == D.train_steps_per_epoch(1437, 64, 4) == 5
+        loader = D.make_train_loader(ds, 256, world_size=4, rank=rank, seed=1)  # 64 each
+        assert len(loader) == D.train_steps_per_epoch(1437, 64, 4) == 1437 // 256 == 5
         batches = list(loader)
         assert all(b[0].shape == (64, 1, 8, 8) and b[1].shape == (64,) for b in batches)
         first = list(loader.sampler)
@@ -98,21 +98,37 @@ def test_train_loader_drops_the_ragged_tail_instead_of_repeating():
     """10 samples on 4 replicas: 2 each, 8 distinct samples, 2 steps (a padding sampler would
     deal 3 each, repeating 2 samples, and add a third step)."""
     ds = D.ArrayDataset(np.arange(10, dtype=np.float32)[:, None], np.arange(10) % 2)
-    shards = [list(D.make_train_loader(ds, 1, world_size=4, rank=r, seed=0).sampler)
-              for r in range(4)]
+    shards = [list(D.make_train_loader(ds, 4, world_size=4, rank=r, seed=0).sampler)
+              for r in range(4)]  # a global batch of 4: 1 row per replica per step
     visits = [i for s in shards for i in s]
     assert [len(s) for s in shards] == [2] * 4 and len(set(visits)) == len(visits) == 8
     assert D.train_steps_per_epoch(10, 1, 4) == 2
-    assert [len(D.make_train_loader(ds, 1, world_size=4, rank=r)) for r in range(4)] == [2] * 4
+    assert [len(D.make_train_loader(ds, 4, world_size=4, rank=r)) for r in range(4)] == [2] * 4
     with pytest.raises(D.DataError, match="3 samples over 4 replica.*use more data"):
-        D.make_train_loader(D.ArrayDataset(np.zeros((3, 1), np.float32), [0, 1, 0]), 1,
+        D.make_train_loader(D.ArrayDataset(np.zeros((3, 1), np.float32), [0, 1, 0]), 4,
                             world_size=4, rank=0)
 
 
-def test_replica_batch_size_divides_the_global_batch():
-    assert D.replica_batch_size(64, 8) == 8 and D.replica_batch_size(64, 1) == 64
+def test_per_replica_batch_divides_the_global_batch():
+    assert D.per_replica_batch(64, 8) == 8 and D.per_replica_batch(64, 1) == 64
     with pytest.raises(D.DataError, match="global batch 64 does not divide over 3 replicas"):
-        D.replica_batch_size(64, 3)
+        D.per_replica_batch(64, 3)
+
+
+def test_both_loaders_take_the_global_batch():
+    """One meaning for the second argument of both loaders: the GLOBAL batch, split by
+    per_replica_batch (a batch that does not divide is the same DataError)."""
+    ds = D.ArrayDataset(np.zeros((100, 2), np.float32), np.arange(100) % 2)
+    for world_size in (1, 2, 4):
+        train = D.make_train_loader(ds, 8, world_size=world_size, rank=0)
+        evaluate = D.make_eval_loader(ds, 8, world_size=world_size, rank=0)
+        assert train.batch_size == evaluate.batch_size == 8 // world_size
+        assert len(train) == 100 // 8 and len(evaluate) == -(-100 // 8)
+    for make in (D.make_train_loader, D.make_eval_loader):
+        with pytest.raises(D.DataError, match="global batch 8 does not divide over 3 replicas"):
+            make(ds, 8, world_size=3, rank=0)
+        with pytest.raises(D.DataError, match="global_batch must be >= 1, got 0"):
+            make(ds, 0, world_size=1, rank=0)
 
 
 def test_train_loader_is_the_loader_a_user_writes():
@@ -128,7 +144,8 @@ def test_train_loader_is_the_loader_a_user_writes():
             sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, seed=5,
                                          drop_last=True)
             mine = DataLoader(ds, batch_size=16, sampler=sampler, drop_last=True)
-            toolkit = D.make_train_loader(ds, 16, world_size=world_size, rank=rank, seed=5)
+            toolkit = D.make_train_loader(ds, 16 * world_size, world_size=world_size, rank=rank,
+                                          seed=5)
             for epoch in (0, 2):
                 sampler.set_epoch(epoch)
                 toolkit.sampler.set_epoch(epoch)
@@ -139,11 +156,12 @@ def test_train_loader_is_the_loader_a_user_writes():
 
 def test_train_loader_too_small_is_clear_and_eval_still_works():
     ds = D.ArrayDataset(np.zeros((6, 3), np.float32), np.arange(6) % 2)
-    with pytest.raises(D.DataError, match=r"6 samples over 8 replica\(s\).*batch of 2"):
-        D.make_train_loader(ds, 2, world_size=8, rank=0)
+    with pytest.raises(D.DataError, match=r"6 samples over 8 replica\(s\).*batch of 2 "
+                                          r"\(global batch 16\)"):
+        D.make_train_loader(ds, 16, world_size=8, rank=0)
     rows = []
     for rank in range(8):
-        batches = list(D.make_eval_loader(ds, 2, world_size=8, rank=rank))
+        batches = list(D.make_eval_loader(ds, 16, world_size=8, rank=rank))
         assert len(batches) == 1
         xb, yb, ib, mb = batches[0]
         assert xb.shape == (2, 3) and mb.dtype == torch.bool and ib.dtype == torch.int64

@@ -165,10 +165,10 @@ def test_mismatched_lengths_and_bad_arguments():
 def test_training_set_too_small_then_eval_pads(tmp_path):
     ds = DS.ImageFolderDataset(_folder(tmp_path))
     with pytest.raises(D.DataError, match=r"training set too small: 6 samples over 4 replica"):
-        D.make_train_loader(ds, 4, world_size=4, rank=0)
+        D.make_train_loader(ds, 16, world_size=4, rank=0)  # 4 per replica
     got = []
     for rank in range(4):
-        (batch,) = list(D.make_eval_loader(ds, 4, world_size=4, rank=rank))
+        (batch,) = list(D.make_eval_loader(ds, 16, world_size=4, rank=rank))
         x, y, index, mask = batch
         assert x.shape == (4, 1, 8, 8) and int(mask.sum()) == len(index[mask])
         got += index[mask].tolist()

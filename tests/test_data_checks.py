@@ -251,7 +251,7 @@ def test_odd_item_in_train_loader_names_its_index(num_workers):
 def test_checking_collate_keeps_the_default_format():
     """Same tensors, dtypes and shapes as default_collate of the padded rows."""
     ds = OddItem(bad=-5)  # every item fine
-    loader = D.make_eval_loader(ds, 4, world_size=2, rank=1)
+    loader = D.make_eval_loader(ds, 8, world_size=2, rank=1)  # global 8: 4 per replica
     padded = D.PaddedEvalDataset(ds)
     for got, idx in zip(loader, D.eval_shard_indices(10, 4, 2, 1).reshape(-1, 4),
                         strict=True):

@@ -169,7 +169,7 @@ def test_hand_written_pipeline_and_toolkit_yield_the_same_batches(device):
     sampler = DistributedSampler(ds, num_replicas=xr.world_size(), rank=xr.global_ordinal(),
                                  shuffle=True, seed=0)
     mine = DataLoader(ds, batch_size=8, sampler=sampler, drop_last=True)
-    toolkit = D.make_train_loader(ds, 8, seed=0)
+    toolkit = D.make_train_loader(ds, 8 * xr.world_size(), seed=0)  # the global batch
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
         toolkit.sampler.set_epoch(epoch)

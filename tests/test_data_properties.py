@@ -55,7 +55,8 @@ def test_eval_loader_rows_masks_and_shapes(n, world_size, batch_size):
     ds = _dataset(n)
     steps, real_rows = set(), []
     for rank in range(world_size):
-        loader = D.make_eval_loader(ds, batch_size, world_size=world_size, rank=rank)
+        loader = D.make_eval_loader(ds, batch_size * world_size, world_size=world_size,
+                                    rank=rank)  # the global batch
         out = list(loader)
         steps.add(len(out))
         assert len(out) == len(loader)
@@ -84,12 +85,12 @@ def test_train_loader_equal_steps_fixed_shape_or_clear_error(n, world_size, batc
     per_replica = n // world_size
     if per_replica < batch_size:
         with pytest.raises(D.DataError, match="training set too small"):
-            D.make_train_loader(ds, batch_size, world_size=world_size, rank=0)
+            D.make_train_loader(ds, batch_size * world_size, world_size=world_size, rank=0)
         return
     steps, sampled = set(), []
     for rank in range(world_size):
-        loader = D.make_train_loader(ds, batch_size, world_size=world_size, rank=rank,
-                                     seed=seed)
+        loader = D.make_train_loader(ds, batch_size * world_size, world_size=world_size,
+                                     rank=rank, seed=seed)  # the global batch
         loader.sampler.set_epoch(epoch)
         out = list(loader)
         steps.add(len(out))

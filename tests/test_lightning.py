@@ -1,5 +1,6 @@
 """Lightning's own XLA code path on XLA:CPU: accelerator choice, fit, checkpoint, predict, re-run,
-and the Lightning internals notebook 06 describes (probed here, not in the notebook).
+the training sampler with drop_last, and the Lightning internals and banners notebook 06
+describes (probed here, not in the notebook).
 
 Real Lightning 2.6, real torch_xla on the XLA:CPU device (one device, set in conftest).
 """
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from course.datasets import load_digits
 from course.lightning_demo import (
+    DigitsData,
     LitDigits,
     XLACountsCallback,
     XLACPUAccelerator,
@@ -370,3 +372,82 @@ def test_a_module_left_in_eval_mode_trains_as_it_is_with_a_warning(digits):
                       enable_checkpointing=False, **QUIET)
     with pytest.warns(UserWarning, match="eval mode"):
         trainer.fit(model, DataLoader(train, batch_size=32, drop_last=True))
+
+
+def test_the_digits_data_module_trains_with_its_own_drop_last_sampler(digits):
+    """Notebook 06, section 3: the LightningDataModule builds the training sampler itself
+    (``DistributedSampler(drop_last=True)``); Lightning keeps it, calls its ``set_epoch`` and runs
+    ``len(train) // 64`` batches per epoch on one device (8 processes: test_lightning_ddp)."""
+    train, test = digits
+    counts = XLACountsCallback()
+    trainer = Trainer(**trainer_kwargs_here(), max_epochs=2, limit_train_batches=2,
+                      limit_val_batches=0, callbacks=[counts], enable_checkpointing=False,
+                      **QUIET)
+    trainer.fit(LitDigits(), datamodule=DigitsData(train, test, 64, 120, seed=0))
+    sampler = trainer.train_dataloader.sampler
+    assert type(sampler) is torch.utils.data.DistributedSampler and sampler.drop_last
+    assert sampler.epoch == 1  # Lightning called set_epoch for the second epoch
+    assert len(trainer.train_dataloader) == len(train) // 64 == 22
+    assert [(e["loader_batches"], e["sampler_drop_last"], e["steps"]) for e in counts.epochs] == [
+        (22, True, 2), (22, True, 2)]
+
+
+def test_lightning_keeps_a_loader_whose_sampler_is_already_distributed():
+    """Source canary for notebook 06's drop_last lesson (Lightning 2.6,
+    ``trainer/connectors/data_connector.py``): with several processes Lightning replaces a plain
+    loader's sampler with its DistributedSampler (which pads by repeating) but returns a loader
+    whose sampler already is a DistributedSampler unchanged."""
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.utils.data import DistributedSampler
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_notebook", **QUIET)
+    connector = trainer._data_connector
+    data = list(range(37))
+    plain = DataLoader(data, batch_size=4, shuffle=True, drop_last=True)
+    own = DataLoader(data, batch_size=4, drop_last=True,
+                     sampler=DistributedSampler(data, num_replicas=2, rank=0, drop_last=True))
+    assert connector._requires_distributed_sampler(plain)
+    assert not connector._requires_distributed_sampler(own)
+    assert connector._prepare_dataloader(own, shuffle=True, mode=RunningStage.TRAINING) is own
+    padded = DistributedSampler(data, num_replicas=2, rank=0)   # what Lightning would insert
+    assert (len(padded), len(own.sampler)) == (19, 18)  # 37 rows: one repeated, or one dropped
+
+
+def test_lightnings_banners_are_rank_zero_info_and_warning_level_hides_them(digits, tmp_path):
+    """What notebook 06 keeps off its page: every Trainer logs at INFO through the logger
+    ``lightning.pytorch.utilities.rank_zero`` (Lightning 2.6, ``trainer/setup.py``
+    ``_log_device_info``: "TPU cores" there is ``trainer.num_devices``; the litlogger/litmodels
+    tips; ``loops/fit_loop.py``'s "stopped" line). Setting that logger to WARNING, as the
+    notebook does, drops them all."""
+    import logging
+
+    train, _ = digits
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    def fit_once(level):
+        records.clear()
+        handler, before = Keep(level=logging.DEBUG), logger.level
+        logger.addHandler(handler)
+        logger.setLevel(level)
+        try:
+            trainer = Trainer(**trainer_kwargs_here(), max_epochs=1, limit_train_batches=1,
+                              default_root_dir=tmp_path, enable_progress_bar=False)
+            trainer.fit(LitDigits(), DataLoader(train, batch_size=32, drop_last=True))
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(before)
+        return [(r.levelno, r.getMessage()) for r in records]
+
+    shown = fit_once(logging.INFO)
+    messages = "\n".join(m for _, m in shown)
+    assert "GPU available: False, used: False" in messages
+    assert "TPU available: False, using: 1 TPU cores" in messages  # XLA:CPU, one device
+    assert "litlogger" in messages and "litmodels" in messages
+    assert "`Trainer.fit` stopped: `max_epochs=1` reached." in messages
+    assert {level for level, _ in shown} == {logging.INFO}
+    assert fit_once(logging.WARNING) == []

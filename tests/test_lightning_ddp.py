@@ -9,6 +9,9 @@ the gradients over the ranks as ``XLAPrecision`` does (``xm.reduce_gradients``).
 The run uses the notebook's own config cell (its data, global batch, steps per epoch, learning
 rate, seed and thresholds, read from the notebook file) and checks what the notebook claims:
 
+* the training sampler the notebook builds in each process (``DigitsData``:
+  ``DistributedSampler(drop_last=True)``) is the one Lightning runs on every rank: 22 batches per
+  epoch, and no sample seen twice in an epoch (Lightning's own sampler would repeat 3);
 * the same global batch and optimizer steps as one process, and the notebook's ``MIN_VAL_ACC``
   and ``RERUN_MIN_ACC`` reached (with the per-process batch the notebook used before, 2 steps
   per epoch: 0.883 / 0.931 / 0.894 for seeds 0 / 1 / 2, below 0.93);
@@ -64,7 +67,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from course.datasets import load_digits
-from course.lightning_demo import LitDigits, XLACountsCallback, read_counts
+from course.lightning_demo import DigitsData, LitDigits, XLACountsCallback, read_counts
 from tpu_helpers.data import ArrayDataset
 from tpu_helpers.tpu_lightning import (AtomicXLACheckpointIO, ExactlyOncePredictionWriter,
                                        read_predictions)
@@ -79,8 +82,18 @@ def trainer(out, **kwargs):
                      default_root_dir=out, **kwargs)
 
 
+class RecordShard(L.Callback):   # the indices this rank's training sampler gives each epoch
+    def __init__(self, run_dir):
+        self.run_dir = run_dir
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        name = f"shard-{trainer.global_rank}-{trainer.current_epoch}.json"
+        (self.run_dir / name).write_text(json.dumps(list(trainer.train_dataloader.sampler)))
+
+
 def make_trainer(out, epochs, run_dir):   # the notebook's make_trainer, on 8 CPU ranks
-    callbacks = [XLACountsCallback(run_dir),
+    run_dir.mkdir(parents=True, exist_ok=True)
+    callbacks = [XLACountsCallback(run_dir), RecordShard(run_dir),
                  ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor="val_acc", mode="max")]
     return trainer(out, max_epochs=epochs, limit_train_batches=cfg["STEPS_PER_EPOCH"],
                    callbacks=callbacks)
@@ -91,8 +104,7 @@ if __name__ == "__main__":
     train = ArrayDataset(*load_digits("train"))
     test = ArrayDataset(*load_digits("test"))
     batch = cfg["GLOBAL_BATCH"] // WORLD   # as the notebook: the global batch over the ranks
-    train_loader = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True)
-    val_loader = DataLoader(test, batch_size=cfg["EVAL_BATCH"] // WORLD)
+    data = DigitsData(train, test, batch, cfg["EVAL_BATCH"] // WORLD, seed=cfg["SEED"])
     report = {"batch": batch}
 
     start = time.perf_counter()
@@ -101,7 +113,7 @@ if __name__ == "__main__":
     before = [p.detach().clone() for p in model.parameters()]
     fit = make_trainer(out, cfg["MAX_EPOCHS"], out / "run1")
     counts = next(c for c in fit.callbacks if isinstance(c, XLACountsCallback))
-    fit.fit(model, train_loader, val_loader)
+    fit.fit(model, datamodule=data)
     checkpoint = fit.checkpoint_callback
     ranks = read_counts(out / "run1")
     report["fit"] = {
@@ -110,6 +122,10 @@ if __name__ == "__main__":
         "parent_epochs": len(counts.epochs), "parent_epoch": fit.current_epoch,
         "ranks": {r: [e["steps"] for e in c.epochs] for r, c in ranks.items()},
         "reduce_calls": {r: [e["reduce_calls"] for e in c.epochs] for r, c in ranks.items()},
+        "loaders": {r: [[e["loader_batches"], e["sampler_drop_last"]] for e in c.epochs]
+                    for r, c in ranks.items()},
+        "shards": [[json.loads((out / "run1" / f"shard-{r}-{e}.json").read_text())
+                    for r in range(WORLD)] for e in range(cfg["MAX_EPOCHS"])],
         "best": checkpoint.best_model_path,
         "weights_came_back": any(not torch.equal(a, b)
                                  for a, b in zip(before, model.parameters())),
@@ -138,14 +154,14 @@ if __name__ == "__main__":
 
     model.train()
     try:
-        fit.fit(model, train_loader, val_loader)
+        fit.fit(model, datamodule=data)
         refused = ""
     except NotImplementedError as exc:
         refused = str(exc)
     again = trainer(out, max_epochs=cfg["MAX_EPOCHS"] + 1,
                     limit_train_batches=cfg["STEPS_PER_EPOCH"],
                     callbacks=[XLACountsCallback(out / "resumed")])
-    again.fit(model, train_loader, val_loader, ckpt_path=checkpoint.best_model_path)
+    again.fit(model, datamodule=data, ckpt_path=checkpoint.best_model_path)
     report["resume"] = {"refused": refused, "parent_epoch": again.current_epoch,
                         "rank_epochs": {r: [e["epoch"] for e in c.epochs]
                                         for r, c in read_counts(out / "resumed").items()}}
@@ -153,8 +169,7 @@ if __name__ == "__main__":
     start = time.perf_counter()   # section 6: a new Trainer and a new model
     L.seed_everything(cfg["SEED"])
     rerun = make_trainer(out, cfg["RERUN_EPOCHS"], out / "run2")
-    rerun.fit(LitDigits(lr=cfg["LR"], loss_logging="logger"), train_loader,
-              val_loader)
+    rerun.fit(LitDigits(lr=cfg["LR"], loss_logging="logger"), datamodule=data)
     report["rerun"] = {"seconds": time.perf_counter() - start,
                        "val_acc": float(rerun.callback_metrics["val_acc"]),
                        "ranks": {r: [e["steps"] for e in c.epochs]
@@ -185,6 +200,11 @@ def test_notebook_06_on_8_real_processes(tmp_path):
     assert fit["val_acc"] >= cfg["MIN_VAL_ACC"], fit["val_acc"]   # the notebook's threshold
     assert fit["parent_epochs"] == 0 and fit["parent_epoch"] == 0   # not sent back
     assert all(calls > 0 for c in fit["reduce_calls"].values() for calls in c)  # sync_dist
+    # every rank ran the notebook's own sampler: drop_last, 179 // 8 = 22 batches per epoch ...
+    assert fit["loaders"] == dict.fromkeys(ranks, [[22, True]] * cfg["MAX_EPOCHS"])
+    for epoch in fit["shards"]:   # ... and no sample twice in an epoch: 8 x 179, 5 dropped
+        seen = [i for shard in epoch for i in shard]
+        assert [len(s) for s in epoch] == [179] * WORLD and len(set(seen)) == len(seen) == 1432
     assert fit["weights_came_back"]   # rank 0's trained weights, loaded in this process
     assert fit["best"].endswith(".ckpt") and len(fit["ckpt_files"]) == 1   # rank 0 wrote once
     assert not [f for f in fit["ckpt_files"] if ".tmp" in f]

@@ -1,9 +1,10 @@
 """The facts notebook 08 states, pinned as fast tests.
 
-Notebook 08 asserts the claims that belong to it (backends, DDP, removed APIs) and links the
-others to the notebook that teaches them (its table "Myths corrected where they are taught":
-samplers and loaders in 02, recompiles in 05). Both kinds are pinned here, so if an upgrade of
-torch / torch_xla / Lightning changes one of them this file says which row or cell of
+Notebook 08 asserts the claims that belong to it (sections 1-10: backends, DDP, removed APIs,
+bfloat16, the batch-size rule) and links the others to the notebook that teaches them (section
+11's table "Myths corrected where they are taught": sharding in 01, loaders in 02, recompiles in
+05, Lightning's sampler in 06). Both kinds are pinned here, so if an upgrade of torch /
+torch_xla / Lightning changes one of them this file says which row or cell of
 ``notebooks/08_myths_and_facts.ipynb`` needs rewriting.
 """
 
@@ -88,6 +89,35 @@ def test_parallel_loader_keeps_batch_size_and_count():
     data = TensorDataset(torch.arange(18.0).reshape(6, 3))
     sizes = [x.shape[0] for (x,) in pl.MpDeviceLoader(DataLoader(data, batch_size=1), device)]
     assert sizes == [1] * 6
+
+
+def test_dataset_items_are_made_on_the_host_and_only_then_moved_to_the_device():
+    """Section 11's row "the Dataset's transforms run on the TPU": MpDeviceLoader's loader thread
+    iterates the DataLoader (``__getitem__`` runs there, on CPU tensors), and the batches reach
+    the XLA device afterwards (torch_xla/distributed/parallel_loader.py)."""
+    import threading
+
+    import torch
+    import torch_xla
+    import torch_xla.distributed.parallel_loader as pl
+    from torch.utils.data import DataLoader, Dataset
+
+    seen = []
+
+    class Recording(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            item = torch.full((3,), float(i)) * 2  # the "transform"
+            seen.append((threading.current_thread() is threading.main_thread(), item.device.type))
+            return item
+
+    device = torch_xla.device()
+    batches = list(pl.MpDeviceLoader(DataLoader(Recording(), batch_size=4), device))
+    assert [b.device.type for b in batches] == ["xla", "xla"]
+    assert len(seen) == 8 and all(d == "cpu" for _, d in seen)
+    assert not any(on_main for on_main, _ in seen)  # the loader thread, not the training loop
 
 
 GLOO_RANK = r"""

@@ -508,3 +508,17 @@ def test_notebook_00_run_twice_in_one_kernel_says_restart(monkeypatch):
     index, exc = first_error
     assert _src(nb.cells[index]).startswith(tpl.SETUP_MARKER)
     assert exc.ename == "EnvironmentProblem" and RERUN_SENTENCE in exc.evalue
+
+
+def test_missing_checked_section_is_caught(good):
+    def edit(nb):
+        for c in nb["cells"]:
+            c["source"] = [s.replace(tpl.CHECKED_HEADING, "Evidence") for s in c["source"]]
+    assert any(tpl.CHECKED_HEADING in p for p in _edit(good, edit))
+
+
+def test_checked_section_before_what_you_learned_is_caught(good):
+    def edit(nb):
+        i = next(i for i, c in enumerate(nb["cells"]) if tpl.CHECKED_HEADING in _src(c))
+        nb["cells"].insert(3, nb["cells"].pop(i))
+    assert any(tpl.CHECKED_HEADING in p for p in _edit(good, edit))

@@ -54,8 +54,8 @@ backend = TorchDistributedReplicas()
 opts = PredictOptions(backend=backend)
 report = {"rank": rank, "world": backend.world_size}
 for n, batch in json.loads(sys.argv[4]):
-    loader = make_eval_loader(torch.utils.data.Subset(ds, range(n)), batch,
-                              world_size=world, rank=rank)
+    loader = make_eval_loader(torch.utils.data.Subset(ds, range(n)), batch * world,
+                              world_size=world, rank=rank)  # the global batch
     pred = predict(model, loader, options=opts)
     assert (pred is None) == (rank != 0), (rank, pred)
     if pred is not None:  # the master writes the CSV (atomically)
@@ -69,7 +69,7 @@ for n, batch in json.loads(sys.argv[4]):
         everyone = predict(model, loader, options=PredictOptions(backend=backend, all_ranks=True))
         np.save(f"{out}/all-{n}-rank{rank}.npy", everyone.values)
 # outputs too big to gather: every rank writes its own rows to a rank file, the master merges
-loader = make_eval_loader(ds, 16, world_size=world, rank=rank)
+loader = make_eval_loader(ds, 16 * world, world_size=world, rank=rank)
 own = predict(model, loader, options=PredictOptions(backend=backend, gather=False,
                                                     chunk_bytes=2048))
 report["own_rows"] = len(own.index)
@@ -84,7 +84,8 @@ if rank == 0:
 small = torch.utils.data.Subset(ds, range(2))
 own_shard = torch.utils.data.DataLoader(PaddedEvalDataset(small), batch_size=4,
                                         sampler=list(range(rank, 2, world)))
-for name, loader in (("padded", make_eval_loader(small, 4, world_size=world, rank=rank)),
+for name, loader in (("padded", make_eval_loader(small, 4 * world, world_size=world,
+                                                  rank=rank)),
                      ("own", own_shard)):
     mine = predict(model, loader, options=PredictOptions(backend=backend, gather=False))
     atomic_write(f"{out}/few-{name}/{rank_file_name(rank, world)}",

@@ -1,8 +1,9 @@
 """Notebook 03 writes the training loop in cells and runs it once; this test is where the
 loop is proven equal to :func:`tpu_helpers.train.fit`, so the notebook does not train twice.
 
-The cells marked ``#@save tpu_helpers/train.py`` (``make_train_loader``, ``train_step``,
-``step_seed``, ``train_epoch``) equal the module's functions (``test_cells_match_toolkit.py``).
+The cells marked ``#@save tpu_helpers/train.py`` (``train_step``, ``step_seed``,
+``train_epoch``) equal the module's functions (``test_cells_match_toolkit.py``); the loader is
+``tpu_helpers.data.make_train_loader`` (notebook 01's loader, checked), as in ``fit``.
 Here the notebook's per-replica loop, built from them as the notebook builds it, trains on the
 digits, and ``fit`` trains on the same data and settings: the same weights bit for bit and the
 same logged losses at every logged step, on XLA:CPU."""
@@ -23,15 +24,16 @@ from torch.utils.data import TensorDataset
 from course.datasets import load_digits
 from course.models import DigitsCNN
 from tpu_helpers.checkpoint import load_checkpoint
-from tpu_helpers.train import Config, fit, make_train_loader, train_epoch
+from tpu_helpers.data import make_train_loader
+from tpu_helpers.train import Config, fit, train_epoch
 
-EPOCHS, BATCH, LR, WD, SEED, LOG_EVERY, out = 2, 64, 3e-3, 1e-2, 0, 5, sys.argv[1]
+EPOCHS, GLOBAL_BATCH, LR, WD, SEED, LOG_EVERY, out = 2, 64, 3e-3, 1e-2, 0, 5, sys.argv[1]
 DIGITS = (*load_digits("train"), *load_digits("test"))
 device = torch_xla.device()
 
 # notebook 03's per-replica function (world size 1, rank 0)
 loader = make_train_loader(TensorDataset(torch.from_numpy(DIGITS[0]), torch.from_numpy(DIGITS[1])),
-                           BATCH, SEED, 1, 0)
+                           GLOBAL_BATCH, world_size=1, rank=0, seed=SEED)
 torch.manual_seed(SEED)
 model = DigitsCNN().to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
@@ -49,7 +51,7 @@ for epoch in range(EPOCHS):
 torch_xla.sync()
 mine = {k: v.cpu() for k, v in model.state_dict().items()}
 
-history = fit(Config(epochs=EPOCHS, global_batch=BATCH, lr=LR, weight_decay=WD, seed=SEED,
+history = fit(Config(epochs=EPOCHS, global_batch=GLOBAL_BATCH, lr=LR, weight_decay=WD, seed=SEED,
                      log_every=LOG_EVERY, out_dir=out), DIGITS, DigitsCNN)
 theirs = load_checkpoint(out + "/final.pt")["model"]
 print("RESULT " + json.dumps({

@@ -3,12 +3,15 @@
 Taught in ``notebooks/01_dataset_setup.ipynb`` (written there by hand first) and
 ``notebooks/02_parallel_loader.ipynb`` (wrapped in ``MpDeviceLoader``). Copy this file alone:
 it needs torch and numpy; importing it imports no torch_xla (only omitted ``world_size``/``rank``
-ask the runtime). :class:`ArrayDataset` holds checked numpy fields (forked workers share the
-pages); :func:`make_train_loader` gives each replica as many full batches of ``per_replica_batch``
-of distinct samples (the ragged tail is dropped, never repeated; the global batch, one optimizer
-step over all replicas, is ``per_replica_batch * world_size``: :func:`replica_batch_size`);
-:func:`make_eval_loader` pads the last batches with masked rows (index ``-1``) so each index is
-scored once. Every check raises :class:`DataError` naming the row or dataset index.
+ask the runtime). Two batch sizes, two names: ``global_batch`` is the rows one optimizer step
+takes over ALL replicas, ``per_replica_batch`` the rows one replica loads per step
+(:func:`per_replica_batch` splits the first into the second, or raises). :class:`ArrayDataset`
+holds checked numpy fields (forked workers share the pages); :func:`make_train_loader` takes the
+GLOBAL batch and gives each replica as many full per-replica batches of distinct samples (the
+ragged tail is dropped, never repeated); :func:`make_eval_loader` takes the GLOBAL batch too and
+pads the last batches with masked rows (index ``-1``) so each index is scored once. The raw forms
+notebook 01 writes (``replica_*``) take the per-replica batch. Every check raises
+:class:`DataError` naming the row or dataset index.
 """
 
 from __future__ import annotations
@@ -124,19 +127,20 @@ def _replica(world_size: int | None, rank: int | None) -> tuple[int, int]:
     return int(world_size), int(rank)
 
 
-def _check_batch(n: int, per_replica_batch: int) -> None:
-    if per_replica_batch < 1:
-        raise DataError(f"per_replica_batch must be >= 1, got {per_replica_batch}.")
+def _check_batch(n: int, batch: int, name: str = "per_replica_batch") -> None:
+    if batch < 1:
+        raise DataError(f"{name} must be >= 1, got {batch}.")
     if n == 0:
         raise DataError("the dataset is empty (0 samples): nothing to load.")
 
 
 def train_steps_per_epoch(n: int, per_replica_batch: int, world_size: int) -> int:
-    """Full batches each replica runs per epoch under :func:`make_train_loader`."""
+    """Full batches each replica runs per epoch under :func:`make_train_loader` (which takes
+    the global batch ``per_replica_batch * world_size``)."""
     return n // world_size // per_replica_batch
 
 
-def replica_batch_size(global_batch, world_size):
+def per_replica_batch(global_batch, world_size):
     """One optimizer step takes ``global_batch`` rows over all replicas; each loads its share."""
     if global_batch % world_size:
         raise DataError(f"global batch {global_batch} does not divide over {world_size} "
@@ -144,40 +148,46 @@ def replica_batch_size(global_batch, world_size):
     return global_batch // world_size
 
 
-def replica_train_loader(dataset, batch_size, world_size, rank, seed=0, **loader_args):
-    """This replica's shard of a shuffled order in full batches of ``batch_size`` rows: the
-    sampler drops the ragged tail instead of repeating samples, the loader any partial batch,
-    so every replica runs the same steps at one shape. ``sampler.set_epoch(e)`` reshuffles."""
+def replica_train_loader(dataset, per_replica_batch, world_size, rank, seed=0, **loader_args):
+    """This replica's shard of a shuffled order in full batches of ``per_replica_batch`` rows:
+    the sampler drops the ragged tail instead of repeating samples, the loader any partial
+    batch, so every replica runs the same steps at one shape. ``sampler.set_epoch(e)``
+    reshuffles."""
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=seed, drop_last=True)  # no repeated samples
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+    return DataLoader(dataset, batch_size=per_replica_batch, sampler=sampler, drop_last=True,
                       **loader_args)
 
 
-def make_train_loader(dataset: Dataset, per_replica_batch: int, *,
+def make_train_loader(dataset: Dataset, global_batch: int, *,
                       world_size: int | None = None,
                       rank: int | None = None, seed: int = 0,
                       num_workers: int = 0) -> DataLoader:
-    """:func:`replica_train_loader` (taught in notebook 01) with checked arguments and a
-    collate naming an odd item's dataset index (the global batch is
-    ``per_replica_batch * world_size``); call ``loader.sampler.set_epoch(epoch)`` every
-    epoch. :class:`DataError` if a replica gets no full batch."""
+    """This replica's loader for a GLOBAL batch of ``global_batch`` rows per optimizer step:
+    :func:`replica_train_loader` (taught in notebook 01) with the batch split by
+    :func:`per_replica_batch`, checked arguments and a collate naming an odd item's dataset
+    index; any world size runs ``len(dataset) // global_batch`` steps (each replica drops its
+    share of the ragged tail). Call ``loader.sampler.set_epoch(epoch)`` every epoch.
+    :class:`DataError` if the batch does not divide or a replica gets no full batch."""
     ws, rk = _replica(world_size, rank)
     n = len(dataset)
-    _check_batch(n, per_replica_batch)
+    _check_batch(n, global_batch, "global_batch")
+    batch = per_replica_batch(global_batch, ws)
     per_replica = n // ws
-    if per_replica < per_replica_batch:
+    if per_replica < batch:
         raise DataError(f"training set too small: {n} samples over {ws} replica(s) gives "
-                        f"each {per_replica}, fewer than one batch of {per_replica_batch}; "
-                        + (f"use per_replica_batch <= {per_replica}, more data, or fewer "
-                           "replicas." if per_replica else "use more data or fewer replicas."))
-    return replica_train_loader(_IndexedItems(dataset), per_replica_batch, ws, rk, seed=seed,
+                        f"each {per_replica}, fewer than one per-replica batch of {batch} "
+                        f"(global batch {global_batch}); "
+                        + (f"use global_batch <= {per_replica * ws} (a multiple of {ws}), more "
+                           "data, or fewer replicas." if per_replica else
+                           "use more data or fewer replicas."))
+    return replica_train_loader(_IndexedItems(dataset), batch, ws, rk, seed=seed,
                                 num_workers=num_workers, collate_fn=_collate_train)
 
 
-def replica_eval_indices(n, batch_size, world_size, rank):
+def replica_eval_indices(n, per_replica_batch, world_size, rank):
     """The indices ``0..n-1`` padded with ``-1`` to whole steps, dealt round-robin."""
-    per_step = batch_size * world_size                   # rows one step takes from all replicas
+    per_step = per_replica_batch * world_size           # rows one step takes, all replicas
     padded = list(range(n)) + [-1] * (-n % per_step)    # pad to whole steps with -1
     return padded[rank::world_size]                      # dealt like DistributedSampler
 
@@ -212,23 +222,25 @@ class PaddedEvalDataset(Dataset):
         return x, y, torch.tensor(index, dtype=torch.int64), torch.tensor(True)
 
 
-def replica_eval_loader(dataset, batch_size, world_size, rank, **loader_args):
+def replica_eval_loader(dataset, per_replica_batch, world_size, rank, **loader_args):
     """Batches of ``(x, y, index, mask)``; padding rows are ``(zeros, zeros, -1, False)``."""
-    return DataLoader(PaddedEvalDataset(dataset), batch_size=batch_size,
-                      sampler=replica_eval_indices(len(dataset), batch_size, world_size, rank),
+    return DataLoader(PaddedEvalDataset(dataset), batch_size=per_replica_batch,
+                      sampler=replica_eval_indices(len(dataset), per_replica_batch, world_size,
+                                                   rank),
                       **loader_args)
 
 
-def make_eval_loader(dataset: Dataset, per_replica_batch: int, *,
+def make_eval_loader(dataset: Dataset, global_batch: int, *,
                      world_size: int | None = None, rank: int | None = None,
                      num_workers: int = 0) -> DataLoader:
-    """:func:`replica_eval_loader` (taught in notebook 01), checked: batches of
-    ``per_replica_batch`` ``(x, y, index, mask)`` rows, all full, as many on every replica;
-    each dataset index is in one unmasked row. Reduce with the mask."""
+    """This replica's evaluation loader for a GLOBAL batch of ``global_batch`` rows per step:
+    :func:`replica_eval_loader` (taught in notebook 01), checked: batches of
+    ``per_replica_batch(global_batch, world_size)`` ``(x, y, index, mask)`` rows, all full, as
+    many on every replica; each dataset index is in one unmasked row. Reduce with the mask."""
     ws, rk = _replica(world_size, rank)
-    _check_batch(len(dataset), per_replica_batch)
-    return replica_eval_loader(dataset, per_replica_batch, ws, rk, num_workers=num_workers,
-                               collate_fn=_collate_eval)
+    _check_batch(len(dataset), global_batch, "global_batch")
+    return replica_eval_loader(dataset, per_replica_batch(global_batch, ws), ws, rk,
+                               num_workers=num_workers, collate_fn=_collate_eval)
 
 
 # The checking collates (module-level: picklable). Dtypes are scanned per batch, shapes

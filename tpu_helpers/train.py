@@ -1,7 +1,8 @@
 """Multi-core training the way upstream writes it: one per-replica :func:`fit`, read top to bottom.
 
-Taught in ``notebooks/03_multicore_training.ipynb`` (``#@save`` cells: :func:`make_train_loader`,
-:func:`train_step`, :func:`train_epoch`). Needs ``checkpoint.py``. A script for pod workers too::
+Taught in ``notebooks/03_multicore_training.ipynb`` (``#@save`` cells: :func:`train_step`,
+:func:`step_seed`, :func:`train_epoch`). Needs ``checkpoint.py`` and ``data.py`` (the loaders:
+``make_train_loader``, ``make_eval_loader``). A script for pod workers too::
 
     python -m tpu_helpers.train --epochs 3           # fake data, like upstream's --fake_data
     python -m tpu_helpers.train --data train.npz --eval-data test.npz --out-dir runs/a [--spmd]
@@ -10,7 +11,8 @@ Taught in ``notebooks/03_multicore_training.ipynb`` (``#@save`` cells: :func:`ma
 are :class:`Config` (the flags come from it); your pieces (``model_fn()``, ``loss_fn(output,
 target)``, ``optimizer_fn(params, config)``, ``scheduler_fn(optimizer, config)``, ``Dataset``s
 or numpy arrays, ``loaders_fn``) are keyword arguments of both. ``global_batch`` is one
-optimizer step's batch over ALL replicas (each loads ``global_batch // world_size``). A resume
+optimizer step's batch over ALL replicas (each loads ``per_replica_batch(global_batch,
+world_size)`` rows: ``data.py``'s loaders take the global batch and split it). A resume
 from ``out_dir/checkpoints`` continues bit for bit (weights, optimizer, schedule, data order,
 dropout). Text of any length: a ``loaders_fn`` giving dict batches (``buckets.py``'s samplers +
 ``collate``; not imported here) trains ``model(tokens, mask)`` with ``loss_fn(output, batch)``.
@@ -51,12 +53,15 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 try:  # inside the tpu_helpers package
     from . import checkpoint
-except ImportError:  # copied next to checkpoint.py into your project
+    from .data import make_eval_loader, make_train_loader
+except ImportError:  # copied next to checkpoint.py and data.py into your project
     import checkpoint  # type: ignore[no-redef]
+
+    from data import make_eval_loader, make_train_loader  # type: ignore[no-redef]
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002
@@ -177,48 +182,20 @@ def _datasets(data: AnyData, eval_data: Dataset | None,
     return data, eval_data
 
 
-class _Masked(Dataset):
-    """``dataset`` padded to ``size`` items ``(x, y, real)``: padding repeats rows, masked."""
-
-    def __init__(self, dataset: Dataset, size: int) -> None:
-        self.dataset, self.size, self.n = dataset, size, len(dataset)  # type: ignore[arg-type]
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> tuple[Any, Any, torch.Tensor]:
-        x, y = self.dataset[i % self.n]
-        return x, y, torch.tensor(i < self.n)
-
-
 def make_loaders(train_set, eval_set, config, world, rank):
-    """:func:`make_train_loader`'s, and an eval shard padded with masked rows (each row once)."""
-    train = make_train_loader(train_set, config.global_batch, config.seed, world, rank)
+    """``data.py``'s loaders for this replica, both from GLOBAL batches: the training shard
+    (``make_train_loader``) and the evaluation shard padded with masked rows, each row once
+    (``make_eval_loader``; batches ``(x, y, index, mask)``)."""
+    train = make_train_loader(train_set, config.global_batch, world_size=world, rank=rank,
+                              seed=config.seed)
     if eval_set is None:
         return train, None
-    per = config.eval_global_batch // world
-    padded = _Masked(eval_set, -(-len(eval_set) // (per * world)) * per * world)
-    shard = DistributedSampler(padded, world, rank, shuffle=False)
-    return train, DataLoader(padded, batch_size=per, sampler=shard)
+    return train, make_eval_loader(eval_set, config.eval_global_batch, world_size=world,
+                                   rank=rank)
 
 
 class TrainingDiverged(FloatingPointError):
     """The training loss became NaN or infinite (the error names the step and the lr)."""
-
-
-def make_train_loader(dataset, global_batch, seed, world_size, rank):
-    """This replica's shard: any world size runs ``len(dataset) // global_batch`` steps."""
-    if global_batch % world_size:
-        raise ValueError(f"global batch {global_batch} does not split over {world_size} replicas")
-    per_replica = global_batch // world_size
-    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed,
-                                 drop_last=True)  # no repeated samples, so no extra step
-    loader = DataLoader(dataset, batch_size=per_replica, sampler=sampler,
-                        drop_last=True)  # one batch shape: one graph
-    if len(loader) == 0:
-        raise ValueError(f"{len(dataset)} samples over {world_size} replica(s) give no batch "
-                         f"of {per_replica}: use a smaller global batch")
-    return loader
 
 
 def train_step(model, optimizer, x, y, loss_fn=F.cross_entropy):
@@ -289,7 +266,8 @@ def train_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
 
 def evaluate(model, batches, loss_fn=F.cross_entropy):
     """``[loss_sum, correct, count]`` of real (mask True) rows over replicas; per-row losses
-    from ``loss_fn(output, target, reduction="none")``."""
+    from ``loss_fn(output, target, reduction="none")``. Batches ``(x, y, index, mask)`` (as
+    ``make_eval_loader`` gives them) or ``(x, y, mask)``."""
     model.eval()
     totals = torch.zeros(3).to(torch_xla.device())
     with torch.no_grad():
@@ -298,7 +276,7 @@ def evaluate(model, batches, loss_fn=F.cross_entropy):
                 totals = totals + xm.all_reduce(xm.REDUCE_SUM, dict_stats(model, batch,
                                                                           loss_fn)[1])
                 continue
-            x, y, mask = batch
+            x, y, *_, mask = batch  # (x, y, index, mask) or (x, y, mask)
             output, m = model(x), mask.float()
             loss = loss_fn(output, y, reduction="none")
             stats = torch.stack([(loss * m).sum(), ((output.argmax(1) == y) & mask).sum().float(),
