@@ -79,6 +79,40 @@ def test_default_trainer_fails_at_the_first_step_and_adamw_torch_xla_trains(tok,
     assert len(counts.rows) == 2 and sum(counts.host_reads[:-1]) == 0
 
 
+def test_sdpa_reads_the_device_every_step_and_eager_never_before_the_end(tok, tmp_path):
+    """Notebook 11, section 3: GPT-2's default sdpa attention asks the host whether the mask has
+    padding (masking_utils ``_ignore_causal_mask_sdpa``) at every step; eager attention does not."""
+    data = [tok(t, padding="max_length", max_length=MAX_LEN) for t in speeches(MAX_LEN)[:12]]
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    reads = {}
+    for attn in ("sdpa", "eager"):
+        counts = XlaCounts()
+        Trainer(model=tiny_gpt2(tok, MAX_LEN, attn=attn), args=_args(tmp_path),
+                train_dataset=data, data_collator=collator, callbacks=[counts]).train()
+        reads[attn] = counts.host_reads
+    assert len(reads["sdpa"]) == len(reads["eager"]) == 3
+    assert min(reads["sdpa"]) >= 1 and sum(reads["sdpa"]) > sum(reads["eager"])
+    assert sum(reads["eager"][:-1]) == 0
+
+
+def test_autocast_trainer_keeps_float32_weights_after_a_step(tok, tmp_path):
+    """Notebook 11, section 6: overriding autocast_smart_context_manager gives bf16 autocast
+    with float32 master weights (bf16=False)."""
+
+    class AutocastTrainer(Trainer):
+        def autocast_smart_context_manager(self, cache_enabled=True):
+            return torch.autocast("xla", dtype=torch.bfloat16)
+
+    data = [tok(t, padding="max_length", max_length=MAX_LEN) for t in speeches(MAX_LEN)[:4]]
+    model = tiny_gpt2(tok, MAX_LEN)
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    AutocastTrainer(model=model, args=_args(tmp_path, max_steps=1), train_dataset=data,
+                    data_collator=DataCollatorForLanguageModeling(tok, mlm=False)).train()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    after = [p.detach().cpu() for p in model.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
 @pytest.mark.parametrize("n", [45, 64, 65, 3])
 def test_eight_ranks_gather_duplicates_unless_trimmed(n):
     """accelerate's BatchSamplerShard for 8 simulated ranks: the gathered rows repeat samples
