@@ -23,13 +23,14 @@ NB_TIMEOUT ?= 120
 JOBS ?= 2
 
 .PHONY: help setup lab test test-one lint unit notebooks run-notebooks bench strip template \
-        wheel tpu-check clean test-tpu-numerics $(addprefix test-,$(XLA_LINES))
+        wheel tpu-check clean test-tpu-numerics test-jax test-jax-one $(addprefix test-,$(XLA_LINES))
 
 help:
 	@echo "make lab            set up (once) and open JupyterLab on notebooks/ (local XLA:CPU emulation)"
 	@echo "make test           lint, unit tests + every notebook on torch_xla 2.9, again on 2.8, then the TPU-numerics lane"
 	@echo "make test-2.9       the same on one torch_xla line only (test-2.8 likewise)"
 	@echo "make test-tpu-numerics  every notebook again with a TPU's matmul numerics emulated (bf16 inputs)"
+	@echo "make test-jax       the SPMD/scan/attention notebooks and jax-path tests with jax importable, on 2.9 and 2.8"
 	@echo "make run-notebooks  execute every notebook into outputs/ and print a timing table"
 	@echo "make bench          run every benchmark and print one table"
 	@echo "make wheel          build dist/tpu_helpers-*.whl (the toolkit and the course data)"
@@ -60,11 +61,11 @@ lint: $(STAMP)
 	$(BIN)/python scripts/notebook_template.py --check notebooks
 
 # Lint once, then one pytest run (unit tests and every notebook) per torch_xla line, then every
-# notebook again under the TPU-numerics lane (2.9). Tests marked `one_line` (they do not depend on
-# the torch_xla line: packaging, the setup cell, notebook format, the lane's own tests) run on the
-# first line only; `make test-2.8` alone still runs them.
-test: lint $(addprefix test-,$(XLA_LINES)) test-tpu-numerics
-	@echo "make test: passed on torch_xla $(XLA_LINES) and under the TPU-numerics lane"
+# notebook again under the TPU-numerics lane (2.9), then the jax lane (both lines). Tests marked
+# `one_line` (they do not depend on the torch_xla line: packaging, the setup cell, notebook
+# format, the lanes' own tests) run on the first line only; `make test-2.8` alone still runs them.
+test: lint $(addprefix test-,$(XLA_LINES)) test-tpu-numerics test-jax
+	@echo "make test: passed on torch_xla $(XLA_LINES), under the TPU-numerics lane and the jax lane"
 
 $(addprefix test-,$(XLA_LINES)): test-%:
 	$(MAKE) --no-print-directory XLA=$* test-one \
@@ -87,6 +88,43 @@ test-tpu-numerics: $(STAMP)
 	PYTHONPATH=$(CURDIR)/scripts/tpu_numerics$${PYTHONPATH:+:$$PYTHONPATH} \
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile -p tpu_numerics_lane notebooks --nbmake \
 	  --nbmake-timeout=$(NB_TIMEOUT) -p no:cacheprovider --durations=9
+
+# The jax lane: Colab's and Kaggle's TPU images ship jax 0.7.2 (and flax) beside torch_xla, and
+# torch_xla takes other code paths when jax imports (torchax via xs.mark_sharding, shard_as, scan's
+# backward under SPMD). The packages of requirements-jax-lane.txt go, without their dependencies,
+# into an overlay folder on PYTHONPATH (built once, rebuilt when that file changes); the venvs and
+# their requirements are untouched, and a check refuses an overlay that shadows a venv package.
+# On each line it runs the notebooks whose processes import jax (SPMD, sharding, scan, the flash
+# branch: 02 03 04 07 10; 09's attention never does, so it is left out) and the tests of the jax
+# paths; the plugin (scripts/jax_lane) fails a notebook whose processes did not have jax. Time is
+# not what it checks (the main lanes enforce each notebook's budget). Its own artifact: on a host
+# without TPU chips, jax's backend start sets TPU_SKIP_MDS_QUERY=1 (jax/_src/cloud_tpu_init.py),
+# after which torch_xla's tpu.version() needs TPU_ACCELERATOR_TYPE and Lightning's
+# XLAAccelerator.is_available raises TypeError; no notebook of this lane uses Lightning.
+JAX_OVERLAY := $(CURDIR)/.jax-overlay
+JAX_LANE_DIR := $(CURDIR)/outputs/jax-lane
+JAX_NOTEBOOKS := $(addprefix notebooks/,02_parallel_loader.ipynb 03_multicore_training.ipynb \
+  04_prediction_gathering.ipynb 07_model_sharding_spmd.ipynb 10_bigger_than_one_chip.ipynb)
+JAX_TESTS := tests/test_jax_paths.py tests/test_jax_lane.py tests/test_text_model.py
+
+$(JAX_OVERLAY)/.installed: requirements-jax-lane.txt | $(STAMP)
+	rm -rf $(JAX_OVERLAY)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
+	  --target $(JAX_OVERLAY) -r requirements-jax-lane.txt
+	@touch $@
+
+test-jax:
+	$(MAKE) --no-print-directory XLA=2.9 test-jax-one
+	$(MAKE) --no-print-directory XLA=2.8 test-jax-one
+
+test-jax-one: $(STAMP) $(JAX_OVERLAY)/.installed
+	@echo "== jax lane: torch_xla $$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("torch_xla"))') in $(VENV) + $(JAX_OVERLAY) =="
+	$(BIN)/python scripts/jax_lane/check_overlay.py $(JAX_OVERLAY) $(VENV)
+	rm -rf $(JAX_LANE_DIR)/$(XLA)
+	JAX_LANE=1 JAX_LANE_DIR=$(JAX_LANE_DIR)/$(XLA) TPU_NB_BUDGET=300 \
+	PYTHONPATH=$(CURDIR)/scripts/jax_lane:$(JAX_OVERLAY)$${PYTHONPATH:+:$$PYTHONPATH} \
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile -p jax_lane $(JAX_TESTS) $(JAX_NOTEBOOKS) \
+	  --nbmake --nbmake-timeout=$(NB_TIMEOUT) -p no:cacheprovider --durations=9
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests -p no:cacheprovider

@@ -267,21 +267,14 @@ def references(path: str | Path) -> list[tuple[str, str]]:
     text = re.sub(r"`[^`\n]*`", "", text)  # inline code quotes names, it does not refer
     out: list[tuple[str, str]] = []
     consumed: list[tuple[int, int]] = []
-    for m in NB_SECTION.finditer(text):
-        nb, k = _notebook(nb_dir, m.group(1)), int(m.group(2))
-        out.append((m.group(0), "" if nb and k in _sections(nb) else
-                    f"notebook {m.group(1)} has no section {k}" if nb else "no such notebook"))
-        consumed.append(m.span())
-    for m in LINK_SECTION.finditer(text):
-        nb, k = _notebook(nb_dir, m.group(1)), int(m.group(2))
-        out.append((m.group(0), "" if nb and k in _sections(nb) else
-                    f"notebook {m.group(1)} has no section {k}" if nb else "no such notebook"))
-        consumed.append(m.span())
-    for m in SECTION_OF_NB.finditer(text):
-        nb, k = _notebook(nb_dir, m.group(2)), int(m.group(1))
-        out.append((m.group(0), "" if nb and k in _sections(nb) else
-                    f"notebook {m.group(2)} has no section {k}" if nb else "no such notebook"))
-        consumed.append(m.span())
+    for pattern, nn_group, k_group in ((NB_SECTION, 1, 2), (LINK_SECTION, 1, 2),
+                                       (SECTION_OF_NB, 2, 1)):
+        for m in pattern.finditer(text):
+            nn, k = m.group(nn_group), int(m.group(k_group))
+            nb = _notebook(nb_dir, nn)
+            out.append((m.group(0), "" if nb and k in _sections(nb) else
+                        f"notebook {nn} has no section {k}" if nb else "no such notebook"))
+            consumed.append(m.span())
     for m in NB.finditer(text):
         for nn in filter(None, m.groups()):
             out.append((f"notebook {nn}", "" if _notebook(nb_dir, nn) else "no such notebook"))

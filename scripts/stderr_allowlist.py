@@ -16,6 +16,11 @@ ALLOWED: list[tuple[str, str]] = [
      "section 6 calls fit again on the same Trainer on purpose (one process: it returns at "
      "once); Lightning's ModelCheckpoint warns that the first fit's checkpoint is in its "
      "folder, and the markdown explains why a new Trainer per run avoids it"),
+    # notebooks 07 and 10, where jax and flax are installed without TensorFlow (Colab's TPU image)
+    (r"^WARNING:absl:Tensorflow library not found, tensorflow\.io\.gfile operations will use",
+     "torch_xla 2.9's bundled torchax imports flax at the first xs.mark_sharding; flax 0.11.2 "
+     "(flax/io.py) logs this once when TensorFlow is absent, as on Colab's TPU image; harmless "
+     "(notebook 07, section 3, says so); seen in the jax lane"),
     # notebook 09
     (r"^Unexpected Execution Analysis: ",
      "torch_xla's own report when torch_xla.compile(full_graph=True) meets a host read: it names "

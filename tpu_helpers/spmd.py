@@ -6,6 +6,7 @@ runtime; call the runtime functions after ``xr.use_spmd()``."""
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import itertools
 import math
 import os
@@ -71,6 +72,25 @@ def device_mesh(axis_names: tuple[str, ...] = ("data",),
     checked by :func:`resolve_mesh_shape`: ``(("fsdp", "model"), (-1, 2))`` on 4 is (2, 2)."""
     n = xr.global_runtime_device_count()
     return xs.Mesh(np.arange(n), resolve_mesh_shape(n, axis_names, shape), tuple(axis_names))
+
+
+def jax_lowers_for_gspmd() -> str:
+    """Make jax lower its sharding ops for torch_xla's partitioner (GSPMD), as torch_xla 2.9 does
+    whenever it imports jax (``maybe_get_jax`` in ``_internal/jax_workarounds.py``, v2.9.0:
+    ``jax.config.update('jax_use_shardy_partitioner', False)``). torch_xla 2.8 does not: with
+    jax 0.7.2 (Shardy by default; Kaggle's image) ``xs.shard_as``, and with it the backward of
+    ``scan`` / ``scan_layers`` under SPMD, fail in XLA's partitioner ("Side-effect HLO must have
+    sharding ... xla.sdy.ShardingGroup"). Call it after ``xr.use_spmd()``; returns what it did.
+    Without jax there is nothing to do (and those functions need jax anyway)."""
+    if importlib.util.find_spec("jax") is None:
+        return "jax is not installed: nothing to do"
+    xr.global_runtime_device_count()  # torch_xla opens its devices before jax is imported
+    import jax
+
+    before = bool(jax.config.jax_use_shardy_partitioner)
+    jax.config.update("jax_use_shardy_partitioner", False)
+    return (f"jax {jax.__version__}: jax_use_shardy_partitioner "
+            f"{'True -> False' if before else 'was already False'}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +242,21 @@ def _swap_into_place(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def xla_storage_writer(directory: str | os.PathLike[str]) -> dist_cp.FileSystemWriter:
+    """``dist_cp.FileSystemWriter(directory, per_thread_copy_ahead=0)``: the writer to pass to
+    ``dist_cp.save`` for XLA tensors, as torch_xla's own ``CheckpointManager`` does
+    (``experimental/distributed_checkpoint/manager.py``, v2.8.0 and v2.9.0).
+
+    With jax importable, ``xs.mark_sharding`` imports the ``torchax`` that ships inside the
+    torch_xla wheel (``maybe_get_torchax``), which renames torch's ``privateuse1`` backend to
+    ``"jax"`` and registers a device module without streams. The default writer then picks
+    torch's ``_OverlappingCpuLoader`` (any available ``privateuse1`` device) and fails:
+    ``module 'torchax.device_module' has no attribute 'current_stream'`` (torch_xla 2.8 with
+    jax, Kaggle's image; 2.9 with jax and flax, Colab's). ``per_thread_copy_ahead=0`` takes the
+    serial loader, which copies each tensor to the host the same way (``.cpu()``)."""
+    return dist_cp.FileSystemWriter(directory, per_thread_copy_ahead=0)
+
+
 def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str],
                             storage: str = "shared") -> Path:
     """``dist_cp.save`` (``SPMDSavePlanner``, no gather) into a temporary folder renamed onto
@@ -249,7 +284,7 @@ def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
     error = None
     try:
         with _quiet():
-            dist_cp.save(state_dict=dict(state_dict), storage_writer=dist_cp.FileSystemWriter(tmp),
+            dist_cp.save(state_dict=dict(state_dict), storage_writer=xla_storage_writer(tmp),
                          planner=SPMDSavePlanner(), no_dist=not together)
         if lead:
             _check_folder(tmp, _SafeReader(tmp).read_metadata(), shared=together)
