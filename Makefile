@@ -44,6 +44,7 @@ $(UV):
 	.tools/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
 
 $(STAMP): $(REQS) requirements-common.txt pyproject.toml | $(UV)
+	@$(PY) -c 'import sys; sys.exit("Python >= 3.11 is needed (transformers 5, notebook 11); " + sys.version.split()[0] + " found: make setup PY=python3.11" if sys.version_info < (3, 11) else 0)'
 	@test -x $(BIN)/python || $(UV) venv --quiet --seed --python $(PY) $(VENV)
 	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet -r $(REQS)
 	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet --no-deps -e .
