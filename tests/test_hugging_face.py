@@ -1,5 +1,5 @@
 """Notebook 11's claims about transformers 5.24.0 and accelerate 1.15.0 on XLA, with a real Trainer,
-a real Accelerator and real torch_xla (XLA:CPU); FSDPv2 in a subprocess on 4 virtual devices."""
+a real Accelerator and real torch_xla (XLA:CPU); FSDPv2 is in tests/test_hf_fsdp.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
-from conftest import run_python  # noqa: E402
 from transformers import (  # noqa: E402
     DataCollatorForLanguageModeling,
     Trainer,
@@ -188,35 +187,3 @@ def test_tpu_cluster_launch_imports_a_module_torch_xla_2_lacks():
     source = inspect.getsource(launch.tpu_pod_launcher)
     assert "from torch_xla.distributed import xla_dist" in source
     assert importlib.util.find_spec("torch_xla.distributed.xla_dist") is None
-
-
-FSDP_V2 = """
-import os
-os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
-import torch_xla.runtime as xr
-xr.use_spmd()
-from transformers import Trainer, TrainingArguments
-from transformers.utils import logging
-from course.hf import byte_tokenizer, speeches, tiny_gpt2
-logging.set_verbosity_error()
-tok = byte_tokenizer()
-data = [{**tok(t, padding="max_length", max_length=32),
-         "labels": tok(t, padding="max_length", max_length=32)["input_ids"]}
-        for t in speeches(32)[:8]]
-args = TrainingArguments(output_dir="out-fsdp", per_device_train_batch_size=4, max_steps=1,
-    optim="adamw_torch_xla", report_to="none", save_strategy="no", disable_tqdm=True,
-    dataloader_pin_memory=False, fsdp="full_shard",
-    fsdp_config={"xla": True, "xla_fsdp_v2": True, "transformer_layer_cls_to_wrap": ["GPT2Block"]})
-try:
-    Trainer(model=tiny_gpt2(tok, 32), args=args, train_dataset=data).train()
-    print("TRAINED")
-except AttributeError as err:
-    print("FAILED", err)
-"""
-
-
-def test_fsdp_v2_through_the_trainer_fails_before_the_first_step(tmp_path):
-    """transformers 5.24.0 delays optimizer creation for FSDP on XLA and never creates it
-    (trainer.py, _prepare_for_training): the scheduler gets None."""
-    proc = run_python(FSDP_V2, timeout=600)
-    assert "FAILED 'NoneType' object has no attribute 'param_groups'" in proc.stdout, proc.stdout
