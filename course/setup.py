@@ -194,7 +194,8 @@ class SetupPlan:
     def command(self) -> str:
         """The same install as one pip command to run by hand."""
         reqs = self.install or [req for _, req in self.changes.values()]
-        return pip_command(reqs, self.pip_args)
+        return pip_command([f"'{r}'" if re.search(r"[<>]", r) else r for r in reqs],
+                           self.pip_args)  # a shell reads > as a redirection
 
 
 def _decide(inst: Mapping[str, str], has_tpu: bool

@@ -100,7 +100,7 @@ WHEELS_VAR, WHEELS_GLOB = "TPU_NB_WHEELS", "/kaggle/input/*/tpu_helpers-*.whl"
 #: The Kaggle dataset of wheels for Internet off (course.setup.WHEELS_DATASET).
 WHEELS_DATASET = "tpu-notebooks-wheels"
 #: The longest setup cell the checker accepts (lines, comments and blanks included): 8 before
-#: the Internet-off path (the wheels glob, its import, and the line naming the dataset).
+#: the Internet-off path (the wheels glob, its import, and the comment naming the dataset).
 MAX_SETUP_LINES = 11
 
 
@@ -120,8 +120,8 @@ def setup_cell() -> str:
     matched one and the notebook packages the platform lacks (:func:`course.setup.plan_setup`),
     from the same wheels if attached; with neither Internet nor the wheels it says exactly what
     to attach. If pip fails here, its error is printed and the last line stops with ``No module
-    named 'course'``; the comments above it (shown in the traceback) say what to do, including
-    the dataset to attach when there is no Internet.
+    named 'course'``; the comment above it (shown in the traceback) says what to do: Internet
+    on, or the dataset to attach (README "Kaggle with Internet off").
     """
     return f'''{SETUP_MARKER}: this repository's package if missing, then what the platform lacks.
 import glob
@@ -130,9 +130,9 @@ import os
 
 SOURCE = os.environ.get("{SOURCE_VAR}", "git+{REPO_URL}")
 WHEELS = glob.glob(os.environ.get("{WHEELS_VAR}", "{WHEELS_GLOB}"))
-if importlib.util.find_spec("tpu_helpers") is None:  # failed? Kaggle: Internet on; or README
+if importlib.util.find_spec("tpu_helpers") is None:
     %pip install -q --no-deps {{(WHEELS + [SOURCE])[0]}}
-# No Internet? Attach the dataset {WHEELS_DATASET}: Add Input (README: Kaggle with Internet off)
+# failed? Kaggle: Internet on, or Add Input > dataset {WHEELS_DATASET} (README: Internet off)
 RUNTIME = importlib.import_module("course.setup").setup_notebook()'''
 
 
