@@ -156,3 +156,12 @@ tpu-check:
 
 clean:
 	rm -rf outputs .pytest_cache .ruff_cache .hypothesis dist build
+
+# The Kaggle dataset for notebooks run with Internet off (README "Kaggle with Internet off"):
+# this package's wheel plus every wheel the notebooks need that Kaggle's TPU image lacks, for its
+# Python 3.12 (manylinux x86_64), from the package index, and dataset-metadata.json.
+# Upload: kaggle datasets create -p dist/kaggle-dataset. KAGGLE_OWNER=you sets the dataset's id.
+KAGGLE_OWNER ?= YOUR-KAGGLE-USERNAME
+.PHONY: kaggle-dataset
+kaggle-dataset: $(STAMP)
+	$(BIN)/python scripts/kaggle_dataset.py dist/kaggle-dataset --owner $(KAGGLE_OWNER)

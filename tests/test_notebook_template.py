@@ -108,7 +108,7 @@ def test_long_setup_cell_is_caught(good):
     """A setup cell that grows back (the old one had 31 lines: clone and wheel fallbacks)."""
     def grow(nb):
         nb["cells"][1]["source"].extend(f"\n# fallback line {i}" for i in range(23))
-    assert any("more than 8" in p for p in _edit(good, grow))
+    assert any(f"more than {tpl.MAX_SETUP_LINES}" in p for p in _edit(good, grow))
 
 
 def test_config_cell_without_environment_is_caught(good):
