@@ -390,9 +390,10 @@ def static_findings(source: str, file: str = "<script>") -> list[Finding]:
 # --------------------------------------------------------------------------- the dynamic pass
 
 _FRAME = re.compile(r"^\s+(\S+) \((.+):(\d+)\)\s*$")
-_SITECUSTOMIZE = """import importlib.util, os
+_SITECUSTOMIZE = """import importlib.util, os, sys
 _s = importlib.util.spec_from_file_location("_tpu_doctor_probe", os.environ["TPU_DOCTOR_FILE"])
-_m = importlib.util.module_from_spec(_s); _s.loader.exec_module(_m); _m._probe()
+_m = sys.modules["_tpu_doctor_probe"] = importlib.util.module_from_spec(_s)
+_s.loader.exec_module(_m); _m._probe()
 """
 
 
@@ -505,8 +506,7 @@ def dynamic_findings(script: str, args=(), steps: int = 10, timeout: float = 300
            "TPU_DOCTOR_OUT": str(tmp), "TPU_DOCTOR_STEPS": str(steps),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp), os.environ.get("PYTHONPATH")]))}
     child = subprocess.Popen([sys.executable, script, *args], env=env, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             cwd=os.path.dirname(os.path.abspath(script)) or ".")
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     notes = []
     try:
         _, stderr = child.communicate(timeout=timeout)
@@ -544,45 +544,46 @@ def _analyse(recs, warmup, script, dbg, fnt, notes) -> list[Finding]:
                      if recs else "note: no optimizer step ran before the script ended")
         return []
     base, end, n = _window(recs, warmup)
-    key = "PT_XLA_DEBUG_FILE"
-    blocks = _blocks(_read(dbg, 0, end[key])) if os.path.exists(dbg) else []
-    early = len(_blocks(_read(dbg, 0, base[key]))) if os.path.exists(dbg) else 0
+    blocks = _blocks(_read(dbg, 0, end["PT_XLA_DEBUG_FILE"])) if os.path.exists(dbg) else []
+    early = len(_blocks(_read(dbg, 0, base["PT_XLA_DEBUG_FILE"]))) if blocks else 0
     tracked = _tracked(_read(fnt, base["XLA_FNTRACKER_FILE"], end["XLA_FNTRACKER_FILE"])) \
         if os.path.exists(fnt) else []
     notes.append(f"run: {(end['executions'] - base['executions']) / n:.1f} executions/step "
                  f"after {warmup} warm-up steps ({n} steps measured)")
-    out, at = [], lambda fr: (fr or ("?", 0))[1]
-    for i, b in enumerate(blocks):
-        if b["kind"] != "Compilation" or i < early:
-            continue
+    seen: dict[tuple, int] = {}
+    for i, b in enumerate(blocks[early:], early):
         where, cause = _user(b["frames"]), " ".join(b["cause"])
         same = [o for o in blocks[:i] if o["kind"] == "Compilation" and _user(o["frames"]) == where]
         why = ("a host read cut the graph here" if "tensor value" in cause else
                "the same graph with new input shapes (a ragged or padded batch?)"
                if any(o["inputs"] == b["inputs"] and o["hash"] != b["hash"] for o in same)
                else "a different graph was traced (a Python branch, a new shape or a cut)")
-        out.append(Finding("recompiles", "warning", script, at(where), f"a compile after warm-up"
-                           f" ({cause}): {why}", "one shape per step: drop_last=True, pad to a "
-                           "fixed length or buckets; no host reads in the step",
-                           "Compilation Analysis, torch_xla/csrc/debug_util.cpp"))
-    reads = [w for op, w in tracked if op in ("_local_scalar_dense", "item")] + [
-        _user(b["frames"]) for b in blocks[early:] if "tensor value" in " ".join(b["cause"])]
+        if b["kind"] == "Compilation":
+            seen[(where, f"({cause}): {why}")] = seen.get((where, f"({cause}): {why}"), 0) + 1
+    out = [Finding("recompiles", "warning", script, (w or ("", 0))[1], f"{k} compile(s) after "
+                   f"warm-up {why}", "one shape per step: drop_last=True, pad to a fixed length "
+                   "or buckets; no host reads in the step", "Compilation Analysis (PT_XLA_DEBUG_"
+                   "LEVEL), torch_xla/csrc/debug_util.cpp") for (w, why), k in seen.items()]
+    reads = [w for op, w in tracked if op in ("_local_scalar_dense", "item")]
+    reads += [w for b in blocks[early:] if "tensor value" in " ".join(b["cause"]) and b["kind"]
+              != "Compilation" and (w := _user(b["frames"])) not in reads]
     per = (end["transfers"] - base["transfers"]) / n
-    for where in sorted(set(reads), key=at) or ([None] if per else []):
-        out.append(Finding("host-transfers", "warning" if per >= 1 else "info", script, at(where),
-                           f"{per:.1f} device-to-host transfers per step ({reads.count(where)} "
-                           f"from this line)", "read in xm.add_step_closure every N steps",
-                           "TransferFromDeviceTime, torch_xla.debug.metrics"))
-    ops = {k: v - base.get("fallbacks", {}).get(k, 0) for k, v in end["fallbacks"].items()}
-    for where in sorted({w for op, w in tracked if op not in ("_local_scalar_dense", "item")},
-                        key=at):
-        names = sorted({op for op, w in tracked if w == where})
-        out.append(Finding("cpu-fallback", "warning", script, at(where), f"aten::{', aten::'.join(names)} "
-                           f"ran on the CPU ({sum(ops.values())} fallbacks after warm-up)",
-                           "an op with an XLA lowering, or move it out of the step",
-                           "XLA_FNTRACKER xla_fallback, torch_xla/csrc/aten_fallback.cpp"))
-    return [f for f in out if f.line or f.kind != "recompiles"] + [
-        f for f in out if not f.line and f.kind == "recompiles"]
+    for where in {*reads} or ({None} if per else set()):
+        out.append(Finding("host-transfers", "warning" if per >= 1 else "info", script,
+                           (where or ("", 0))[1], f"{per:.1f} device-to-host transfers per step "
+                           f"({reads.count(where)} from this line)", "read values in "
+                           "xm.add_step_closure every N steps", "TransferFromDeviceTime, "
+                           "torch_xla.debug.metrics"))
+    ops = {}
+    for op, where in tracked:
+        if op not in ("_local_scalar_dense", "item"):
+            ops.setdefault(where, set()).add(op)
+    out += [Finding("cpu-fallback", "warning", script, (w or ("", 0))[1], "ran on the CPU (no XLA"
+                    f" lowering), every step: aten::{', aten::'.join(sorted(o))}", "an op with a "
+                    "lowering, or move it out of the step", "the fallback tracker "
+                    "(XLA_FNTRACKER_FILE), torch_xla/csrc/aten_fallback.cpp")
+            for w, o in ops.items()]
+    return out
 
 
 # --------------------------------------------------------------------------- entry points
