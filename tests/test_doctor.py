@@ -1,4 +1,4 @@
-"""The TPU doctor (tpu_helpers/doctor.py): its corpus, precision and recall, both passes, entry points.
+"""The TPU doctor (tpu_helpers/doctor.py): its corpus, precision and recall, both passes.
 
 The corpus (issue 27): tests/doctor_corpus/*.py name their expected findings on their first lines
 (``# expect: kind@line ...``, ``# expect --run: kind@line ...``): the four articles' code, scripts
@@ -150,23 +150,23 @@ def test_api_table_rows_name_their_source():
 # --------------------------------------------------------------------------- torch_xla's text
 
 BLOCK = """
-Compilation Analysis: ================================================================================
+Compilation Analysis: {eq}
 Compilation Analysis: Compilation Cause
-Compilation Analysis:   most likely user code trying to access tensor value before torch_xla.sync
-Compilation Analysis: Graph Info: 
+Compilation Analysis:   most likely user code trying to access tensor value before {sync}
+Compilation Analysis: Graph Info:
 Compilation Analysis:   Graph Hash: 8fa5ad1cd8ffd91ecab6a2dc9b5b4b8
 Compilation Analysis:   Number of Graph Inputs: 4
 Compilation Analysis:   Number of Graph Outputs: 1
-Compilation Analysis: Python Frame Triggered Execution: 
+Compilation Analysis: Python Frame Triggered Execution:
 Compilation Analysis:   _local_scalar_dense (/venv/site-packages/torch_xla/_patched.py:9)
 Compilation Analysis:   train (/home/me/train.py:42)
 Compilation Analysis:   ..........
-Compilation Analysis: --------------------------------------------------------------------------------
-Compilation Analysis: ================================================================================
+Compilation Analysis: {dash}
+Compilation Analysis: {eq}
 pt-xla-profiler: TransferFromDeviceTime too frequent: 3 counts during 2 steps
 Unexpected Execution Analysis: Execution Cause
 Unexpected Execution Analysis:   user torch_xla.sync
-"""
+""".format(eq="=" * 80, dash="-" * 80, sync="torch_xla.sync")
 TRACKED = """[TAG xla_fallback From Thread 1402]
 Python Frames:
   step (/home/me/train.py:17)
@@ -198,7 +198,8 @@ def test_a_crash_is_reported_with_its_line(tmp_path):
     script = tmp_path / "s.py"
     stderr = (f'Traceback (most recent call last):\n  File "{script}", line 12, in <module>\n'
               f'  File "/venv/site-packages/torch/x.py", line 3, in f\n'
-              "AttributeError: module 'torch_xla.core.xla_model' has no attribute 'xrt_world_size'\n")
+              "AttributeError: module 'torch_xla.core.xla_model' has no attribute "
+              "'xrt_world_size'\n")
     crash = doctor._crash(stderr, str(script))
     assert (crash.kind, crash.line, crash.severity) == ("crash", 12, "error")
     assert crash.message.endswith("no attribute 'xrt_world_size'")

@@ -36,3 +36,4 @@ def _mp_fn(index):
 
 if __name__ == "__main__":
     torch_xla.launch(_mp_fn)
+# ruff: noqa

@@ -10,3 +10,4 @@ device = torch_xla.device()
 model = nn.Linear(8, 4).to(device)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 per_core = 64 // xm.xrt_world_size()
+# ruff: noqa

@@ -17,3 +17,4 @@ for step in range(12):
     counts += torch.bincount(logits.argmax(dim=1), minlength=4)
     opt.zero_grad()
     torch_xla.sync()
+# ruff: noqa

@@ -16,3 +16,4 @@ for step in range(12):
     opt.zero_grad()
     print(f"step {step}: loss {loss.item():.4f}")
     torch_xla.sync()
+# ruff: noqa

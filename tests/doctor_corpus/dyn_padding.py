@@ -18,3 +18,4 @@ for step in range(12):
     opt.step()
     opt.zero_grad()
     torch_xla.sync()
+# ruff: noqa

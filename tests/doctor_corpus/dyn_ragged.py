@@ -17,3 +17,4 @@ for epoch in range(3):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+# ruff: noqa
