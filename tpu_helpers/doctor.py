@@ -489,10 +489,10 @@ def _analyse(recs, warmup, script, files, notes) -> tuple[list[Finding], dict]:
     for i, b in enumerate(blocks[early:], early):
         where, cause = _user(b["frames"]), " ".join(b["cause"])
         same = [o for o in blocks[:i] if o["kind"] == "Compilation" and _user(o["frames"]) == where]
-        why = ("a host read cut the graph here" if "tensor value" in cause else
-               "the same graph with new input shapes (a ragged or padded batch?)"
-               if any(o["inputs"] == b["inputs"] and o["hash"] != b["hash"] for o in same)
-               else "a different graph was traced (a Python branch, a new shape or a cut)")
+        why = ("the same graph with new input shapes (a ragged or padded batch?)"
+               if any(o["inputs"] == b["inputs"] and o["hash"] != b["hash"] for o in same) else
+               "a host read cut the graph here" if "tensor value" in cause else
+               "a different graph was traced (a Python branch, a new shape or a cut)")
         if b["kind"] == "Compilation":
             seen[where, f"({cause}): {why}"] = seen.get((where, f"({cause}): {why}"), 0) + 1
     out += [Finding("recompiles", "warning", script, line(w), f"{k} compile(s) after warm-up "
