@@ -102,7 +102,7 @@ def test_static_corpus_precision_and_recall():
 
 
 @pytest.mark.parametrize("name", [*PORT_EXPECTED, "dyn_clean.py", "article_lightning_tpu_basic.py"])
-def test_correct_code_is_clean(name):
+def test_port_scripts_and_correct_code_find_exactly_what_is_expected(name):
     path = PORT / name if name in PORT_EXPECTED else CORPUS / name
     found = alarms(doctor.static_findings(path.read_text()))
     assert found == (PORT_EXPECTED.get(name) or []), found

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import json
 import os
 import re
@@ -136,10 +137,8 @@ class Report:
 
 # --------------------------------------------------------------------------- the static pass
 def _dotted(node: ast.AST) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts, node = [node.attr, *parts], node.value
-    return ".".join([node.id, *parts]) if isinstance(node, ast.Name) else None
+    text = ast.unparse(node) if isinstance(node, (ast.Name, ast.Attribute)) else ""
+    return text if re.fullmatch(r"\w+(\.\w+)*", text) else None
 
 
 class _Static:
@@ -168,11 +167,11 @@ class _Static:
 
     def names(self) -> None:
         for node in ast.walk(self.tree):  # imports first: they bind the aliases
-            for a in getattr(node, "names", []) if isinstance(node, (ast.Import, ast.ImportFrom)) \
-                    and not getattr(node, "level", 0) else []:
+            for a in node.names if isinstance(node, (ast.Import, ast.ImportFrom)) else []:
                 full = f"{node.module}.{a.name}" if isinstance(node, ast.ImportFrom) else a.name
-                self.aliases[a.asname or a.name.split(".")[0]] = full if a.asname or isinstance(
-                    node, ast.ImportFrom) else a.name.split(".")[0]
+                short = full if a.asname or isinstance(node, ast.ImportFrom) else a.name
+                self.aliases[a.asname or a.name.split(".")[0]] = short.split(".")[0] if (
+                    short == a.name and not a.asname) else full
                 self.api(node, full)
         for node in ast.walk(self.tree):
             if isinstance(node, ast.Attribute) and not isinstance(self.parents.get(node),
@@ -339,16 +338,14 @@ _s = importlib.util.spec_from_file_location("_tpu_doctor_probe", os.environ["TPU
 _m = sys.modules["_tpu_doctor_probe"] = importlib.util.module_from_spec(_s)
 _s.loader.exec_module(_m); _m._probe()
 """
-_READ_OPS = ("_local_scalar_dense", "item")
-_FILES = ("PT_XLA_DEBUG_FILE", "XLA_FNTRACKER_FILE")  # .item(): a transfer, not a fallback
+_READ_OPS = ("_local_scalar_dense", "item")  # .item(): a transfer, not a fallback
+_FILES = ("PT_XLA_DEBUG_FILE", "XLA_FNTRACKER_FILE")
 
 
 def _probe() -> None:
     """In the child (its sitecustomize): torch_xla's counters at each optimizer step, appended to
     ``TPU_DOCTOR_OUT/<pid>.jsonl``; after N steps it stops its whole process group."""
     try:
-        import atexit
-
         from torch.optim.optimizer import register_optimizer_step_post_hook
     except ImportError:
         return
@@ -455,14 +452,6 @@ def dynamic_findings(script: str, args=(), steps: int = 10, timeout: float = 300
     return ([_crash(stderr, script)] if crashed else []) + found, run, notes
 
 
-def _text(path: str, start: int, end: int) -> str:
-    if not os.path.exists(path):
-        return ""
-    with open(path, errors="replace") as fh:
-        fh.seek(start)
-        return fh.read(max(end - start, 0))
-
-
 def _analyse(recs, warmup, script, files, notes) -> tuple[list[Finding], dict]:
     """Findings and the ``run`` summary from the probe's records and torch_xla's two files."""
     done = lambda r: r["step"] - (r["event"] == "step")  # steps finished when it was taken
@@ -478,10 +467,11 @@ def _analyse(recs, warmup, script, files, notes) -> tuple[list[Finding], dict]:
         notes.append("note: no optimizer step ran on an XLA device (torch_xla was not used)"
                      if recs else "note: no optimizer step ran before the script ended")
         return [], run
-    dbg, fnt = files["PT_XLA_DEBUG_FILE"], files["XLA_FNTRACKER_FILE"]
-    blocks = _blocks(_text(dbg, 0, end["PT_XLA_DEBUG_FILE"]))
-    early = len(_blocks(_text(dbg, 0, base["PT_XLA_DEBUG_FILE"])))
-    tracked = _tracked(_text(fnt, base["XLA_FNTRACKER_FILE"], end["XLA_FNTRACKER_FILE"]))
+    text = lambda k, a, b: Path(files[k]).read_bytes()[a:b].decode(errors="replace") if (
+        os.path.exists(files[k])) else ""  # what torch_xla wrote between two records
+    blocks = _blocks(text(_FILES[0], 0, end[_FILES[0]]))
+    early = len(_blocks(text(_FILES[0], 0, base[_FILES[0]])))
+    tracked = _tracked(text(_FILES[1], base[_FILES[1]], end[_FILES[1]]))
     notes.append(f"run: {(end['executions'] - base['executions']) / n:.1f} executions/step after"
                  f" warm-up ({n} steps measured)")
     out, line = [], lambda w: (w or ("", 0))[1]
