@@ -1,4 +1,5 @@
-"""The TPU doctor (tpu_helpers/doctor.py): its corpus, precision and recall, both passes.
+"""The TPU doctor (tpu_helpers/doctor.py, its --run pass doctor_run.py): its corpus, precision
+and recall, both passes.
 
 The corpus (issue 27): tests/doctor_corpus/*.py name their expected findings on their first lines
 (``# expect: kind@line ...``, ``# expect --run: kind@line ...``): the four articles' code, scripts
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from tpu_helpers import doctor
+from tpu_helpers import doctor, doctor_run
 
 CORPUS = REPO / "tests" / "doctor_corpus"
 PORT = REPO / "examples" / "port"
@@ -183,15 +184,15 @@ C++ Frames:
 
 
 def test_parsers_read_the_analysis_and_the_fallback_tracker():
-    blocks = doctor._blocks(BLOCK)
+    blocks = doctor_run._blocks(BLOCK)
     assert [b["kind"] for b in blocks] == ["Compilation", "Unexpected Execution"]
     first = blocks[0]
     assert first["hash"].startswith("8fa5") and first["inputs"] == 4
     assert "tensor value" in " ".join(first["cause"])
-    assert doctor._user(first["frames"]) == ("/home/me/train.py", 42)
-    assert doctor._tracked(TRACKED) == [("bincount", ("/home/me/train.py", 17)),
+    assert doctor_run._user(first["frames"]) == ("/home/me/train.py", 42)
+    assert doctor_run._tracked(TRACKED) == [("bincount", ("/home/me/train.py", 17)),
                                         ("_local_scalar_dense", ("/home/me/train.py", 30))]
-    assert doctor._blocks("garbage\nCompilation Analysis: Graph Hash: x\n") == []
+    assert doctor_run._blocks("garbage\nCompilation Analysis: Graph Hash: x\n") == []
 
 
 def test_a_crash_is_reported_with_its_line(tmp_path):
@@ -200,7 +201,7 @@ def test_a_crash_is_reported_with_its_line(tmp_path):
               f'  File "/venv/site-packages/torch/x.py", line 3, in f\n'
               "AttributeError: module 'torch_xla.core.xla_model' has no attribute "
               "'xrt_world_size'\n")
-    crash = doctor._crash(stderr, str(script))
+    crash = doctor_run._crash(stderr, str(script))
     assert (crash.kind, crash.line, crash.severity) == ("crash", 12, "error")
     assert crash.message.endswith("no attribute 'xrt_world_size'")
 
@@ -263,8 +264,9 @@ def test_ipython_magic(tmp_path):
 
 
 @pytest.mark.slow
-def test_doctor_py_copied_alone_runs_both_passes(tmp_path):
-    shutil.copy(REPO / "tpu_helpers" / "doctor.py", tmp_path / "doctor.py")
+def test_doctor_pair_copied_flat_runs_both_passes(tmp_path):
+    for name in ("doctor.py", "doctor_run.py"):
+        shutil.copy(REPO / "tpu_helpers" / name, tmp_path / name)
     shutil.copy(CORPUS / "dyn_crash.py", tmp_path / "old_script.py")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "doctor.py", "--run", "3", "old_script.py"],
