@@ -76,10 +76,13 @@ def test_notebook_launcher_tpu_branch_forks_one_process_that_trains(folder):
     _trained(run, steps=2 * 40 // 8)
 
 
-def test_accelerate_launch_tpu_spawns_a_process_that_trains(folder):
-    """accelerate launch --tpu: tpu_launcher, xmp.spawn(PrepareForLaunch(main)) with spawn."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--tpu",
-           "--main_training_function", "main", *QUIET, "acc_gpt2.py", "1", "script.json"]
+def test_accelerate_launch_tpu_command_spawns_a_process_that_trains(folder):
+    """The command section 7 prints: tpu_launcher, xmp.spawn(PrepareForLaunch(main)), spawn."""
+    block = cell("nb11-acc-06").split("```")[1]
+    words = block.replace("\\\n", " ").split()
+    assert words[:2] == ["accelerate", "launch"]
+    assert words[-3:] == ["acc_gpt2.py", "2", "script.json"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *words[2:]]
     proc = subprocess.Popen(cmd, cwd=folder, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate(timeout=600)
@@ -87,7 +90,7 @@ def test_accelerate_launch_tpu_spawns_a_process_that_trains(folder):
     assert "were not passed to `accelerate launch`" not in out  # the flags silence the warnings
     run = json.loads((folder / "script.json").read_text())
     assert run["pid"] != proc.pid and run["fork_launched"]  # PrepareForLaunch marks it, spawn too
-    _trained(run, steps=40 // 8)
+    _trained(run, steps=2 * 40 // 8)
 
 
 def test_tpu_launcher_ignores_num_processes_and_spawns():
