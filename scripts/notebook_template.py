@@ -58,7 +58,8 @@ RUNTIME_PREFIX = "**Runtime:**"
 RUNTIME_LINE = (f"{RUNTIME_PREFIX} the badges ask for a TPU. If you get none, pick it by hand: "
                 "Colab: *Runtime > Change runtime type > v5e-1 TPU*; Kaggle: *Settings > "
                 "Accelerator > TPU VM v5e-8*, and *Settings > Internet on* (the setup cell "
-                "downloads this repository).")
+                "downloads this repository; with Internet off, attach its wheels instead: "
+                "[Kaggle with Internet off](../README.md#kaggle-with-internet-off)).")
 
 _NAME = re.compile(r"^(\d\d)_[a-z0-9_]+\.ipynb$")
 
