@@ -7,6 +7,8 @@ Importing it (or any module in it) never touches the XLA device. Modules (notebo
 - ``compile_cache``: the compile cache, write-only on 2.8/2.9 (05); ``spmd``: meshes, shards (07)
 - ``ordering``: exactly-once ordering, rank files; ``predict``: predictions from every replica (04)
 - ``tpu_lightning``: Lightning 2.6 Trainer arguments, atomic checkpoint IO, prediction writer (06)
+- ``doctor`` (with ``doctor_run``): a tool beside the library that reads a script and says what
+  will go wrong on a TPU; ``python -m tpu_helpers.doctor`` / ``tpu-doctor`` (05)
 """
 
 __version__ = "0.1.0"
