@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 import zipfile
@@ -26,6 +25,7 @@ from pathlib import Path
 import kaggle_dataset  # scripts/, on the path via conftest
 import notebook_template as tpl
 import pytest
+from conftest import venv_without_us
 
 from course import setup
 
@@ -88,28 +88,14 @@ def _pip_env(**extra: str) -> dict[str, str]:
     return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1", **extra}
 
 
-def _skip(name: str) -> bool:
+def _from_folder(name: str) -> bool:
     low = name.lower().replace("-", "_")
-    return (low.startswith(("tpu_helpers", "__editable__", "_tpu_helpers", "course",
-                            "tpu_notebooks_data")) or name.endswith(".pth")
-            or any(low == p or low.startswith(f"{p}_") for p in FROM_FOLDER))
+    return any(low == p or low.startswith(f"{p}_") for p in FROM_FOLDER)
 
 
 def _new_venv(tmp_path_factory) -> Path:
     """A fresh venv seeing this venv's packages except ours and :data:`FROM_FOLDER`."""
-    root = tmp_path_factory.mktemp("offline")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")],
-                   check=True, timeout=120)
-    links = root / "links"
-    links.mkdir()
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        if not _skip(entry.name):
-            (links / entry.name).symlink_to(entry)
-    python = root / "venv" / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                           "['purelib'])"], capture_output=True, text=True, check=True).stdout
-    (Path(site.strip()) / "this_venvs_packages.pth").write_text(f"{links}\n")
-    return python
+    return venv_without_us(tmp_path_factory.mktemp("offline"), hide=_from_folder)
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import notebook_template as tpl  # scripts/, on the path via conftest
 import pytest
+from conftest import venv_without_us
 
 pytestmark = pytest.mark.one_line  # pip-installs this package with --no-deps: no torch_xla API
 
@@ -60,20 +60,7 @@ def _drive(python: Path | str, cwd: Path, env: dict[str, str], runs: int = 1):
 @pytest.fixture
 def venv(tmp_path_factory) -> Path:
     """A new venv without tpu_helpers that sees this venv's other packages; returns its python."""
-    root = tmp_path_factory.mktemp("setup-cell")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")],
-                   check=True, timeout=120)
-    links = root / "links"
-    links.mkdir()
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        if not entry.name.startswith(("tpu_helpers", "__editable__", "_tpu_helpers", "course",
-                                      "tpu_notebooks_data")) and entry.suffix != ".pth":
-            (links / entry.name).symlink_to(entry)
-    python = root / "venv" / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                           "['purelib'])"], capture_output=True, text=True, check=True).stdout
-    (Path(site.strip()) / "this_venvs_packages.pth").write_text(f"{links}\n")
-    return python
+    return venv_without_us(tmp_path_factory.mktemp("setup-cell"))
 
 
 @pytest.fixture(scope="module")
