@@ -34,6 +34,7 @@ help:
 	@echo "make run-notebooks  execute every notebook into outputs/ and print a timing table"
 	@echo "make bench          run every benchmark and print one table"
 	@echo "make wheel          build dist/tpu_helpers-*.whl (the toolkit and the course data)"
+	@echo "make kaggle-dataset build dist/kaggle-dataset/: the wheels to attach on Kaggle with Internet off"
 	@echo "make tpu-check      on a TPU VM/Colab/Kaggle: run every notebook at full settings, record results"
 	@echo "make strip          strip outputs/execution counts from notebooks/*.ipynb"
 	@echo "make template       rewrite badges, metadata and setup cells, and the README course table"
@@ -44,6 +45,7 @@ $(UV):
 	.tools/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
 
 $(STAMP): $(REQS) requirements-common.txt pyproject.toml | $(UV)
+	@$(PY) -c 'import sys; sys.exit("Python >= 3.11 is needed (transformers 5, notebook 11); " + sys.version.split()[0] + " found: make setup PY=python3.11" if sys.version_info < (3, 11) else 0)'
 	@test -x $(BIN)/python || $(UV) venv --quiet --seed --python $(PY) $(VENV)
 	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet -r $(REQS)
 	VIRTUAL_ENV=$(VENV) $(UV) pip install --quiet --no-deps -e .
@@ -95,7 +97,9 @@ test-tpu-numerics: $(STAMP)
 # into an overlay folder on PYTHONPATH (built once, rebuilt when that file changes); the venvs and
 # their requirements are untouched, and a check refuses an overlay that shadows a venv package.
 # On each line it runs the notebooks whose processes import jax (SPMD, sharding, scan, the flash
-# branch: 02 03 04 07 10; 09's attention never does, so it is left out) and the tests of the jax
+# branch: 02 03 04 07 10; 11's Trainer through MpDeviceLoader, whose worker's xp.Trace imports jax
+# (torch_xla/debug/profiler.py); 12's FSDPv2 script imports torchax through mark_sharding; 09's
+# attention never does, so it is left out) and the tests of the jax
 # paths; the plugin (scripts/jax_lane) fails a notebook whose processes did not have jax. Time is
 # not what it checks (the main lanes enforce each notebook's budget). Its own artifact: on a host
 # without TPU chips, jax's backend start sets TPU_SKIP_MDS_QUERY=1 (jax/_src/cloud_tpu_init.py),
@@ -104,7 +108,8 @@ test-tpu-numerics: $(STAMP)
 JAX_OVERLAY := $(CURDIR)/.jax-overlay
 JAX_LANE_DIR := $(CURDIR)/outputs/jax-lane
 JAX_NOTEBOOKS := $(addprefix notebooks/,02_parallel_loader.ipynb 03_multicore_training.ipynb \
-  04_prediction_gathering.ipynb 07_model_sharding_spmd.ipynb 10_bigger_than_one_chip.ipynb)
+  04_prediction_gathering.ipynb 07_model_sharding_spmd.ipynb 10_bigger_than_one_chip.ipynb \
+  11_hugging_face_on_tpu.ipynb 12_accelerate_and_fsdp_v2.ipynb)
 JAX_TESTS := tests/test_jax_paths.py tests/test_jax_lane.py tests/test_text_model.py
 
 $(JAX_OVERLAY)/.installed: requirements-jax-lane.txt | $(STAMP)
@@ -155,3 +160,12 @@ tpu-check:
 
 clean:
 	rm -rf outputs .pytest_cache .ruff_cache .hypothesis dist build
+
+# The Kaggle dataset for notebooks run with Internet off (README "Kaggle with Internet off"):
+# this package's wheel plus every wheel the notebooks need that Kaggle's TPU image lacks, for its
+# Python 3.12 (manylinux x86_64), from the package index, and dataset-metadata.json.
+# Upload: kaggle datasets create -p dist/kaggle-dataset. KAGGLE_OWNER=you sets the dataset's id.
+KAGGLE_OWNER ?= YOUR-KAGGLE-USERNAME
+.PHONY: kaggle-dataset
+kaggle-dataset: $(STAMP)
+	$(BIN)/python scripts/kaggle_dataset.py dist/kaggle-dataset --owner $(KAGGLE_OWNER)

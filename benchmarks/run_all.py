@@ -2,12 +2,13 @@
 
     python -m benchmarks.run_all                  # full run (under 10 minutes on 2 idle cores)
     python -m benchmarks.run_all --quick          # CI-sized (also with CI=true or SMOKE=1)
-    python -m benchmarks.run_all --only training  # a subset: training, loader, predict, text
+    python -m benchmarks.run_all --only training  # a subset: training, loader, predict, text, hf
     python -m benchmarks.run_all --json out.json  # also save every row
 
 Runs ``benchmarks.bench_training.run`` (each training loop in its own process), then
 ``benchmarks.bench_loader.run``, ``benchmarks.bench_predict.run`` and
-``benchmarks.bench_text.run`` (in this process, on one XLA device), and prints the machine
+``benchmarks.bench_text.run`` (in this process, on one XLA device) and
+``benchmarks.bench_hf.run`` (each row in its own process), and prints the machine
 it ran on, one table, and each goal with whether this run met it. Every ratio compares
 numbers measured in the same run on the same machine.
 """
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import bench_loader, bench_predict, bench_text, bench_training
+from benchmarks import bench_hf, bench_loader, bench_predict, bench_text, bench_training
 from benchmarks._common import quick_mode
 
 BENCHMARKS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {
@@ -31,6 +32,7 @@ BENCHMARKS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {
     "loader": bench_loader.run,
     "predict": bench_predict.run,
     "text": bench_text.run,
+    "hf": bench_hf.run,
 }
 
 COLUMNS = ["benchmark", "row", "steps/s", "min-max", "ratio", "vs ceiling", "compiles",
@@ -95,7 +97,21 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
             })
         elif kind == "text":
             out.append(text_row(r))
+        elif kind == "hf":
+            out.append(hf_row(r))
     return out
+
+
+def hf_row(r: dict[str, Any]) -> dict[str, str]:
+    """One row of bench_hf (a Trainer or the course's loop) in the common columns."""
+    return {"benchmark": "hugging face", "row": r["name"],
+            "steps/s": _fmt(1e3 / r["ms_per_step"], 1), "min-max": "",
+            "ratio": f"{r['ratio_vs_course_loop']:.2f} x (c) ms/step", "vs ceiling": "",
+            "compiles": f"{r['compiles_warmup']} + {r['compiles_after_warmup']} after",
+            "transfers/step": f"{r['transfers_per_step']:.2f} d2h",
+            "exec/step": _fmt(r["executions_per_step"]),
+            "CPU ms/step": _fmt(r["cpu_ms_per_step"], 1), "peak RSS MB": "",
+            "note": f"{r['ms_per_step']:.1f} host ms/step over {r['steps']} steps"}
 
 
 def text_row(r: dict[str, Any]) -> dict[str, str]:
@@ -149,7 +165,21 @@ def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
     for r in rows:
         if r.get("benchmark") == "predict" and "ok" in r:
             result.append((f"predict: {r['case']}", bool(r["ok"])))
-    return result + text_goals(rows)
+    return result + text_goals(rows) + hf_goals(rows)
+
+
+def hf_goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """Issue 26's claims: notebook 11's settings compile nothing after warm-up, the defaults do."""
+    hf = {r["key"]: r for r in rows if r.get("benchmark") == "hf"}
+    if set(hf) != {"a", "b", "c"}:
+        return []
+    a, b = hf["a"], hf["b"]
+    return [
+        ("hf: Trainer with notebook 11's settings: 0 compiles after warm-up",
+         b["compiles_after_warmup"] == 0),
+        (f"hf: Trainer defaults compile {a['compiles_after_warmup']} times after warm-up (> 0)",
+         a["compiles_after_warmup"] > 0),
+    ]
 
 
 def text_goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
@@ -200,7 +230,8 @@ def machine() -> dict[str, str]:
         "os": platform.platform(),
         "python": platform.python_version(),
         "versions": f"torch {version('torch')}, torch_xla {version('torch_xla')}, "
-                    f"lightning {version('lightning')}",
+                    f"lightning {version('lightning')}, transformers {version('transformers')}, "
+                    f"accelerate {version('accelerate')}",
         "load average at start": " ".join(f"{x:.2f}" for x in load),
     }
 

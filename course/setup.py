@@ -43,7 +43,7 @@ from tpu_helpers.env import (
 )
 
 #: Packages (distribution name -> pip requirement) the notebooks need beyond torch/torch_xla;
-#: installed on Colab/Kaggle only when missing.
+#: installed on Colab/Kaggle only when missing, or older than a ``>=`` floor given here.
 NOTEBOOK_PACKAGES = {
     "lightning": "lightning==2.6.6",
     "pandas": "pandas",
@@ -51,6 +51,14 @@ NOTEBOOK_PACKAGES = {
     "tqdm": "tqdm",
     "pillow": "pillow",
     "psutil": "psutil",
+    # Notebook 11. Its sentences are read from, and its cells checked with, transformers 5.24.0
+    # and accelerate 1.15.0 (requirements-common.txt): an older copy is upgraded, a newer one
+    # kept. Colab's TPU runtime ships transformers 5.15.0 and accelerate 1.14.0
+    # (googlecolab/backend-info pip-freeze.tpu.txt, 2026-08), so both are upgraded there;
+    # Kaggle's TPU image installs both unpinned (Kaggle/docker-python tpu/requirements.in).
+    # transformers 5 needs Python >= 3.11: Colab has 3.13, Kaggle 3.12.
+    "transformers": "transformers>=5.24.0",
+    "accelerate": "accelerate>=1.15.0",
 }
 #: Libraries whose version must match torch, if the platform ships them: per supported line
 #: (``tpu_helpers.env.SUPPORTED``), the release built for that torch.
@@ -69,6 +77,74 @@ TPU_MENUS = ("Colab: Runtime > Change runtime type > v5e-1 TPU; "
 RERUN_SENTENCE = ("This kernel already started the XLA runtime in an earlier run and the notebook "
                   "needs a fresh one: restart the kernel (Kernel > Restart; on Colab Runtime > "
                   "Restart session) and run all.")
+
+
+#: The Kaggle dataset that carries this package and the wheels Kaggle's TPU image lacks, for
+#: notebooks run with Internet off (``make kaggle-dataset``; README "Kaggle with Internet off").
+WHEELS_DATASET = "tpu-notebooks-wheels"
+#: Environment variable naming the wheels (a glob of this package's wheel: its folder is the
+#: ``--find-links`` folder); the default looks in every dataset attached on Kaggle.
+WHEELS_VAR = "TPU_NB_WHEELS"
+WHEELS_GLOB = "/kaggle/input/*/tpu_helpers-*.whl"
+#: Exactly what to attach when there is neither Internet nor the wheels dataset.
+ATTACH = (f"No Internet here (Kaggle: Settings > Internet is off) and no wheels dataset "
+          f"attached: attach the dataset {WHEELS_DATASET} (in the notebook's right-hand panel, "
+          f"Input > Add Input, search {WHEELS_DATASET}, click +; to make it yourself: "
+          f"`make kaggle-dataset`, README section \"Kaggle with Internet off\"), or switch "
+          f"Settings > Internet on; then run this setup cell again.")
+#: Seconds the Internet probe waits for the package index to answer.
+PROBE_TIMEOUT = 5.0
+
+
+def wheels_folder(environ: Mapping[str, str] | None = None) -> str | None:
+    """The folder of an attached wheels dataset (the one holding this package's wheel), or None.
+
+    Looks where ``$TPU_NB_WHEELS`` points (a glob), by default ``/kaggle/input/*/``: the folder
+    Kaggle mounts each attached dataset at. Reads the file system only."""
+    import glob
+
+    pattern = (environ if environ is not None else os.environ).get(WHEELS_VAR, WHEELS_GLOB)
+    found = sorted(glob.glob(pattern))
+    return os.path.dirname(found[-1]) if found else None
+
+
+def index_reachable(environ: Mapping[str, str] | None = None,
+                    timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether pip's package index answers, within ``timeout`` seconds (the Internet probe).
+
+    One HEAD request for the index page of ``pip`` at ``$PIP_INDEX_URL`` (default PyPI): any
+    answer but 2xx/3xx, a refused connection, a failed name lookup (Kaggle with Internet off) or
+    no answer in time means no. Costs one round trip where the Internet is on."""
+    import urllib.error
+    import urllib.request
+
+    env = environ if environ is not None else os.environ
+    index = env.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{index}/pip/", method="HEAD"),
+                                    timeout=timeout):
+            return True
+    except (OSError, ValueError):  # URLError, HTTPError, timeouts; ValueError: a bad URL
+        return False
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version: ``5.24.0.dev0`` -> (5, 24, 0)."""
+    out = []
+    for part in _base(version).split("."):
+        digits = re.match(r"\d+", part)
+        if not digits:
+            break
+        out.append(int(digits.group()))
+        if digits.group() != part:
+            break
+    return tuple(out)
+
+
+def _too_old(have: str, requirement: str) -> bool:
+    """Whether ``have`` is below the ``>=`` floor of ``requirement`` (no floor: never)."""
+    floor = re.search(r">=\s*([\w.]+)", requirement)
+    return bool(floor) and have != "?" and _release(have) < _release(floor.group(1))
 
 
 def _norm(name: str) -> str:
@@ -118,7 +194,8 @@ class SetupPlan:
     def command(self) -> str:
         """The same install as one pip command to run by hand."""
         reqs = self.install or [req for _, req in self.changes.values()]
-        return pip_command(reqs, self.pip_args)
+        return pip_command([f"'{r}'" if re.search(r"[<>]", r) else r for r in reqs],
+                           self.pip_args)  # a shell reads > as a redirection
 
 
 def _decide(inst: Mapping[str, str], has_tpu: bool
@@ -154,7 +231,7 @@ def _decide(inst: Mapping[str, str], has_tpu: bool
 
 
 def plan_setup(installed: Mapping[str, str | None], platform: str, has_tpu: bool,
-               torch_imported: bool) -> SetupPlan:
+               torch_imported: bool, wheels: str | None = None) -> SetupPlan:
     """Decide what the setup cell installs; pure (reads nothing, changes nothing).
 
     ``installed`` maps distribution names (any spelling: ``torch_xla`` or ``torch-xla``) to
@@ -169,14 +246,21 @@ def plan_setup(installed: Mapping[str, str | None], platform: str, has_tpu: bool
     torch_xla (``torch_xla[tpu]`` when the TPU's libtpu must come with it). libtpu and jax stay
     unless the pair needs another libtpu. If torch is imported in the kernel and torch, torch_xla
     or a companion must change, nothing is installed and the plan asks for a restart.
+    A notebook package is installed when missing or older than its ``>=`` floor
+    (:data:`NOTEBOOK_PACKAGES`). ``wheels``: the folder of an attached wheels dataset
+    (:func:`wheels_folder`); pip then installs from it alone (``--no-index --find-links``).
     """
     inst = {_norm(k): v for k, v in installed.items() if v}
     target, changes, reasons, kept, notes = _decide(inst, has_tpu)
     heavy = [req for _, req in changes.values()]
     pip_args = ["--extra-index-url", CPU_INDEX] if any("+cpu" in r for r in heavy) else []
+    if wheels:
+        pip_args = ["--no-index", "--find-links", wheels]
     where = _PLATFORM_NAMES.get(platform, platform)
     installs_here = platform in ("colab", "kaggle")
-    light = [req for dist, req in NOTEBOOK_PACKAGES.items() if dist not in inst]
+    light = [req for dist, req in NOTEBOOK_PACKAGES.items()
+             if dist not in inst or _too_old(inst[dist], req)]
+    old = [f"{d} {inst[d]}" for d, req in NOTEBOOK_PACKAGES.items() if req in light and d in inst]
     restart = torch_imported and installs_here and any(
         d in changes for d in ("torch", "torch-xla", *COMPANIONS))
     manual = pip_command(heavy, pip_args)
@@ -198,11 +282,14 @@ def plan_setup(installed: Mapping[str, str | None], platform: str, has_tpu: bool
         before = (f"On {where}: {'; '.join(reasons)}. This installs the matched torch "
                   f"{target.name} set: {listing}"
                   + (f" (CPU builds from {CPU_INDEX}: a TPU host needs no CUDA)"
-                     if pip_args else "") + f".{stay}")
+                     if CPU_INDEX in pip_args else "") + f".{stay}")
     else:
         before = f"On {where}: nothing heavy to install.{stay}"
     if light:
-        before += f" Notebook packages it lacks: {', '.join(light)}."
+        before += f" Notebook packages it lacks: {', '.join(light)}"
+        before += f" (older here: {', '.join(old)})." if old else "."
+    if wheels:
+        before += f" From the wheels in {wheels} only (no package index)."
     return SetupPlan(target, heavy + light, pip_args, before, False, [], changes, notes)
 
 
@@ -401,7 +488,8 @@ def _pip(plan: SetupPlan) -> None:
         tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])[-800:]
         raise EnvironmentProblem(
             f"pip failed, so the environment may be half changed and nothing was checked: {tail} "
-            f"Fix the cause (on Kaggle: Settings > Internet on), then run `{plan.command}`, "
+            f"Fix the cause (on Kaggle: Settings > Internet on, or attach the dataset "
+            f"{WHEELS_DATASET}: README \"Kaggle with Internet off\"), then run `{plan.command}`, "
             "restart the runtime and run this setup cell again."
         )
 
@@ -451,6 +539,10 @@ def setup_notebook(install: bool = True, quiet: bool = False, check_tpu: bool = 
       variables (guarded).
     * TPU VM / local: installs nothing; raises :class:`EnvironmentProblem` with the fix if
       torch / torch_xla are missing or mismatched.
+    * Installs come from an attached wheels dataset if there is one (:func:`wheels_folder`,
+      ``pip --no-index --find-links``), else from the package index; with neither the index
+      answering within :data:`PROBE_TIMEOUT` s nor the dataset, it raises with exactly what to
+      attach (:data:`ATTACH`) before pip runs.
     * On a TPU host (``check_tpu``): opens the TPU once in a child process
       (:func:`check_tpu_opens`) and raises with the fix if it does not open; without a TPU it
       says that this could not be checked (:data:`NO_TPU_CHECK`).
@@ -465,13 +557,17 @@ def setup_notebook(install: bool = True, quiet: bool = False, check_tpu: bool = 
     if rt.platform == "kaggle":
         pop_kaggle_launcher_vars()
     before = installed_versions()
-    plan = plan_setup(before, rt.platform, rt.has_tpu, torch_imported="torch" in sys.modules)
+    wheels = wheels_folder()
+    plan = plan_setup(before, rt.platform, rt.has_tpu, torch_imported="torch" in sys.modules,
+                      wheels=wheels)
     if not install or rt.platform not in ("colab", "kaggle"):
         if plan.problems:
             raise EnvironmentProblem(" ".join(plan.problems))
     elif plan.restart_needed:
         raise EnvironmentProblem(plan.before)
     elif plan.install:
+        if wheels is None and not index_reachable():
+            raise EnvironmentProblem(f"{plan.before} {ATTACH}")
         _install(plan, rt, before)
     for note in plan.notes:
         print(f"Note: {note}")

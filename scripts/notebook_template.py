@@ -58,7 +58,8 @@ RUNTIME_PREFIX = "**Runtime:**"
 RUNTIME_LINE = (f"{RUNTIME_PREFIX} the badges ask for a TPU. If you get none, pick it by hand: "
                 "Colab: *Runtime > Change runtime type > v5e-1 TPU*; Kaggle: *Settings > "
                 "Accelerator > TPU VM v5e-8*, and *Settings > Internet on* (the setup cell "
-                "downloads this repository).")
+                "downloads this repository; with Internet off, attach its wheels instead: "
+                "[Kaggle with Internet off](../README.md#kaggle-with-internet-off)).")
 
 _NAME = re.compile(r"^(\d\d)_[a-z0-9_]+\.ipynb$")
 
@@ -94,8 +95,14 @@ def badges(name: str) -> str:
 
 #: Environment variable naming another source of this repository's package for the setup cell.
 SOURCE_VAR = "TPU_NB_SOURCE"
-#: The longest setup cell the checker accepts (lines, comments and blanks included).
-MAX_SETUP_LINES = 8
+#: Environment variable (a glob) naming this package's wheel in an attached wheels dataset, and
+#: its default: every dataset Kaggle mounts under /kaggle/input (course.setup.WHEELS_GLOB).
+WHEELS_VAR, WHEELS_GLOB = "TPU_NB_WHEELS", "/kaggle/input/*/tpu_helpers-*.whl"
+#: The Kaggle dataset of wheels for Internet off (course.setup.WHEELS_DATASET).
+WHEELS_DATASET = "tpu-notebooks-wheels"
+#: The longest setup cell the checker accepts (lines, comments and blanks included): 8 before
+#: the Internet-off path (the wheels glob, its import, and the comment naming the dataset).
+MAX_SETUP_LINES = 11
 
 
 def setup_cell() -> str:
@@ -103,22 +110,30 @@ def setup_cell() -> str:
 
     If ``tpu_helpers`` is not importable (Colab, Kaggle), one ``%pip install --no-deps`` of this
     repository's package: the toolkit, the course code and the data (``pyproject.toml``), and
-    never torch or torch_xla. ``$TPU_NB_SOURCE`` (or the ``SOURCE`` line, edited) names anything
-    pip installs from instead of :data:`REPO_URL`: a fork's git URL, a wheel file or URL
-    (``make wheel``), or a writable folder holding a copy of the repository. Locally (the venv's
-    editable install, or ``PYTHONPATH``) nothing is installed. Then
-    ``course.setup.setup_notebook()`` keeps a supported torch/torch_xla pair or installs a
-    matched one and the notebook packages the platform lacks (:func:`course.setup.plan_setup`).
-    If pip fails, its error is printed and the last line stops with ``No module named
-    'course'``; the comment two lines above it (shown in the traceback) says what to do.
+    never torch or torch_xla. It installs from an attached wheels dataset if one is found
+    (``$TPU_NB_WHEELS``, by default this package's wheel in any dataset under
+    ``/kaggle/input/``: ``make kaggle-dataset``, for Kaggle with Internet off; a local wheel
+    with ``--no-deps`` needs no index), else from ``$TPU_NB_SOURCE`` (or the ``SOURCE`` line,
+    edited), which names anything pip installs from instead of :data:`REPO_URL`: a fork's git
+    URL, a wheel file or URL (``make wheel``), or a writable folder holding a copy of the
+    repository. Locally (the venv's editable install, or ``PYTHONPATH``) nothing is installed.
+    Then ``course.setup.setup_notebook()`` keeps a supported torch/torch_xla pair or installs a
+    matched one and the notebook packages the platform lacks (:func:`course.setup.plan_setup`),
+    from the same wheels if attached; with neither Internet nor the wheels it says exactly what
+    to attach. If pip fails here, its error is printed and the last line stops with ``No module
+    named 'course'``; the comment above it (shown in the traceback) says what to do: Internet
+    on, or the dataset to attach (README "Kaggle with Internet off").
     """
     return f'''{SETUP_MARKER}: this repository's package if missing, then what the platform lacks.
+import glob
 import importlib.util
 import os
 
 SOURCE = os.environ.get("{SOURCE_VAR}", "git+{REPO_URL}")
-if importlib.util.find_spec("tpu_helpers") is None:  # failed? Kaggle: Internet on; or README
-    %pip install -q --no-deps {{SOURCE}}
+WHEELS = glob.glob(os.environ.get("{WHEELS_VAR}", "{WHEELS_GLOB}"))
+if importlib.util.find_spec("tpu_helpers") is None:
+    %pip install -q --no-deps {{(WHEELS + [SOURCE])[0]}}
+# failed? Kaggle: Internet on, or Add Input > dataset {WHEELS_DATASET} (README: Internet off)
 RUNTIME = importlib.import_module("course.setup").setup_notebook()'''
 
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 from pathlib import Path
@@ -103,3 +104,24 @@ def kill_mid_write(folder: Path, code: str, *, ready: str, min_bytes: int,
         if proc.poll() is None:
             proc.kill()
     return proc, temp
+
+
+#: This package's own entries in a venv's site-packages (its editable install included).
+OURS = ("tpu_helpers", "__editable__", "_tpu_helpers", "course", "tpu_notebooks_data")
+
+
+def venv_without_us(root: Path, hide=lambda name: False) -> Path:
+    """A new venv (no pip) in ``root`` that sees this venv's packages except this package's own
+    and those ``hide(name)`` names; returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")],
+                   check=True, timeout=120)
+    links = root / "links"
+    links.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not (entry.name.startswith(OURS) or entry.suffix == ".pth" or hide(entry.name)):
+            (links / entry.name).symlink_to(entry)
+    python = root / "venv" / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                           "['purelib'])"], capture_output=True, text=True, check=True).stdout
+    (Path(site.strip()) / "this_venvs_packages.pth").write_text(f"{links}\n")
+    return python

@@ -297,7 +297,10 @@ def _no_cuda(reqs: list[str]) -> None:
 def test_colab_image_installs_nothing_heavy(torch_imported):
     plan = setup.plan_setup(COLAB, "colab", has_tpu=True, torch_imported=torch_imported)
     assert plan.heavy == [] and plan.changes == {} and not plan.restart_needed
-    assert plan.install == ["lightning==2.6.6"] and plan.pip_args == []
+    # Colab's transformers 5.15.0 / accelerate 1.14.0 are older than notebook 11's floor
+    assert plan.install == ["lightning==2.6.6", "transformers>=5.24.0", "accelerate>=1.15.0"]
+    assert plan.pip_args == []
+    assert "(older here: transformers 5.15.0, accelerate 1.14.0)" in plan.before
     assert plan.target.name == "2.9"
     assert "libtpu 0.0.21.1 (fits torch_xla 2.9.0)" in plan.before  # 0.0.21.1 is not flagged
     assert "nothing heavy to install" in plan.before
@@ -310,6 +313,44 @@ def test_kaggle_image_installs_nothing_heavy():
     assert plan.target.name == "2.8"  # torch 2.8 + torch_xla 2.8 accepted as they are
     assert "libtpu 0.0.17 (fits torch_xla 2.8.0)" in plan.before
     assert not any(r.startswith(("torch", "libtpu", "jax")) for r in plan.install)
+
+
+def test_notebook_packages_are_upgraded_only_below_their_floor():
+    for have, upgraded in [("5.15.0", True), ("5.23.9", True), ("5.24.0", False),
+                           ("5.24.0.dev0", False), ("5.30.1", False), ("6.0.0", False),
+                           ("?", False)]:
+        image = {**COLAB, "transformers": have, "accelerate": "1.15.0"}
+        plan = setup.plan_setup(image, "colab", has_tpu=True, torch_imported=False)
+        assert ("transformers>=5.24.0" in plan.install) is upgraded, have
+        assert "accelerate>=1.15.0" not in plan.install
+    # no floor: any installed version stays (lightning is pinned only for a fresh install)
+    plan = setup.plan_setup({**COLAB, "lightning": "2.5.0"}, "colab", True, False)
+    assert "lightning==2.6.6" not in plan.install
+
+
+def test_an_attached_wheels_folder_is_the_only_source(tmp_path):
+    (tmp_path / "tpu_helpers-0.1.0-py3-none-any.whl").write_bytes(b"")
+    folder = setup.wheels_folder({setup.WHEELS_VAR: str(tmp_path / "tpu_helpers-*.whl")})
+    assert folder == str(tmp_path)
+    assert setup.wheels_folder({setup.WHEELS_VAR: str(tmp_path / "none" / "*.whl")}) is None
+    plan = setup.plan_setup(KAGGLE, "kaggle", has_tpu=True, torch_imported=False, wheels=folder)
+    assert plan.pip_args == ["--no-index", "--find-links", folder]
+    assert "lightning==2.6.6" in plan.install and plan.heavy == []
+    assert f"From the wheels in {folder} only (no package index)." in plan.before
+    assert plan.command.endswith(f"--no-index --find-links {folder}")
+
+
+def test_the_internet_probe_is_quick_and_says_no_for_a_closed_port():
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    assert not setup.index_reachable({"PIP_INDEX_URL": f"http://127.0.0.1:{port}/simple"})
+    assert not setup.index_reachable({"PIP_INDEX_URL": "not a url"})
+    assert time.monotonic() - start < setup.PROBE_TIMEOUT
 
 
 def test_bare_tpu_vm_gets_the_2_9_cpu_set():
@@ -470,7 +511,8 @@ def test_setup_notebook_reports_a_failed_pip_and_never_says_fine(tmp_path):
     problem = out.index("PROBLEM: pip failed")
     assert before < problem, out  # the plan is said before anything changes
     assert f"torch_xla=={HERE.name}" in out[problem:]  # pip's own error tail
-    assert f"run `pip install torch_xla=={HERE.torch_xla[0]}`" in out[problem:]
+    # the manual command: the matched torch_xla first (then any notebook package missing here)
+    assert f"run `pip install torch_xla=={HERE.torch_xla[0]}" in out[problem:]
     assert "no TPU attached" not in out and "Changed:" not in out  # no all-fine summary
 
 

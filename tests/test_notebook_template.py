@@ -21,7 +21,8 @@ NOTEBOOKS = tpl.notebooks(REPO / "notebooks")
 COURSE = ["00_environment", "01_dataset_setup", "02_parallel_loader", "03_multicore_training",
           "04_prediction_gathering", "05_performance_debugging", "06_lightning_on_tpu",
           "07_model_sharding_spmd", "08_myths_and_facts",
-          "09_transformers_variable_length", "10_bigger_than_one_chip"]
+          "09_transformers_variable_length", "10_bigger_than_one_chip",
+          "11_hugging_face_on_tpu", "12_accelerate_and_fsdp_v2"]
 
 pytestmark = pytest.mark.one_line  # the notebooks' format, budget and stderr checks
 
@@ -107,7 +108,7 @@ def test_long_setup_cell_is_caught(good):
     """A setup cell that grows back (the old one had 31 lines: clone and wheel fallbacks)."""
     def grow(nb):
         nb["cells"][1]["source"].extend(f"\n# fallback line {i}" for i in range(23))
-    assert any("more than 8" in p for p in _edit(good, grow))
+    assert any(f"more than {tpl.MAX_SETUP_LINES}" in p for p in _edit(good, grow))
 
 
 def test_config_cell_without_environment_is_caught(good):

@@ -15,11 +15,11 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import notebook_template as tpl  # scripts/, on the path via conftest
 import pytest
+from conftest import venv_without_us
 
 pytestmark = pytest.mark.one_line  # pip-installs this package with --no-deps: no torch_xla API
 
@@ -60,20 +60,7 @@ def _drive(python: Path | str, cwd: Path, env: dict[str, str], runs: int = 1):
 @pytest.fixture
 def venv(tmp_path_factory) -> Path:
     """A new venv without tpu_helpers that sees this venv's other packages; returns its python."""
-    root = tmp_path_factory.mktemp("setup-cell")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")],
-                   check=True, timeout=120)
-    links = root / "links"
-    links.mkdir()
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        if not entry.name.startswith(("tpu_helpers", "__editable__", "_tpu_helpers", "course",
-                                      "tpu_notebooks_data")) and entry.suffix != ".pth":
-            (links / entry.name).symlink_to(entry)
-    python = root / "venv" / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                           "['purelib'])"], capture_output=True, text=True, check=True).stdout
-    (Path(site.strip()) / "this_venvs_packages.pth").write_text(f"{links}\n")
-    return python
+    return venv_without_us(tmp_path_factory.mktemp("setup-cell"))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +77,8 @@ def copy(tmp_path_factory) -> Path:
 
 def _env(source: str | Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TPU_NB_DATA")}
-    return {**env, "TPU_NB_SOURCE": str(source), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    return {**env, "TPU_NB_SOURCE": str(source), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "TPU_NB_WHEELS": "/nonexistent/tpu_helpers-*.whl"}  # no wheels dataset attached
 
 
 def _installed_and_ran(report: dict, python: Path) -> None:
@@ -124,7 +112,8 @@ def test_setup_cell_failure_shows_pips_error_and_what_to_do(venv, tmp_path):
     assert report["error"] == "ModuleNotFoundError(\"No module named 'course'\")"
     assert "ERROR:" in out  # pip's own reason
     # the traceback shows the lines above the failing one, with the way out
-    assert "# failed? Kaggle: Internet on; or README" in out
+    assert (f"# failed? Kaggle: Internet on, or Add Input > dataset {tpl.WHEELS_DATASET} "
+            "(README: Internet off)") in out
 
 
 def test_setup_cell_installs_nothing_where_the_package_is_importable():
@@ -136,4 +125,5 @@ def test_setup_cell_installs_nothing_where_the_package_is_importable():
 
 
 def test_setup_cell_is_short():
-    assert len(tpl.setup_cell().splitlines()) <= 8 == tpl.MAX_SETUP_LINES
+    # 8 lines before Kaggle with Internet off (the wheels glob, its import, the comment)
+    assert len(tpl.setup_cell().splitlines()) <= 11 == tpl.MAX_SETUP_LINES
