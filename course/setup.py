@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -529,6 +530,13 @@ def quiet_jax_notice() -> None:
         root.addFilter(_NoJaxNotice())
 
 
+def quiet_tqdm_notice() -> None:
+    """Hide tqdm's "IProgress not found" warning: ``tqdm.auto`` (imported by transformers, and
+    so by torchmetrics under Lightning) gives it where ipywidgets is missing, as in CI; Colab
+    and Kaggle have ipywidgets. tqdm then draws text bars, which is all it means."""
+    warnings.filterwarnings("ignore", message="IProgress not found")
+
+
 def setup_notebook(install: bool = True, quiet: bool = False, check_tpu: bool = True) -> Runtime:
     """The notebooks' setup cell: idempotent, quiet, and it never breaks the platform.
 
@@ -548,11 +556,12 @@ def setup_notebook(install: bool = True, quiet: bool = False, check_tpu: bool = 
       says that this could not be checked (:data:`NO_TPU_CHECK`).
     * A kernel that already used the XLA device (a second "run all") is told to restart.
     * torch_xla 2.8's per-call "requires jax/pallas" log line is filtered
-      (:func:`quiet_jax_notice`).
+      (:func:`quiet_jax_notice`), and tqdm's "IProgress not found" (:func:`quiet_tqdm_notice`).
     """
     if runtime_initialized():
         raise EnvironmentProblem(RERUN_SENTENCE)
     quiet_jax_notice()
+    quiet_tqdm_notice()
     rt = detect_runtime()
     if rt.platform == "kaggle":
         pop_kaggle_launcher_vars()
