@@ -53,12 +53,11 @@ def settings(quick: bool) -> dict[str, int]:
 
 
 def counters() -> dict[str, int]:
-    import torch_xla.debug.metrics as met
+    from tpu_helpers.metrics import snapshot
 
-    def count(name: str) -> int:
-        return int((met.metric_data(name) or [0])[0])
-    return {"compiles": count("CompileTime"), "transfers": count("TransferFromDeviceTime"),
-            "executions": count("ExecuteTime")}
+    now = snapshot()
+    return {"compiles": now.compiles, "transfers": now.transfers_from_device,
+            "executions": now.executions}
 
 
 class Clock:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-import torch_xla.debug.metrics as met
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     GPT2Config,
@@ -23,6 +22,7 @@ from transformers import (
 
 from course.datasets import data_dir
 from course.text import split_speeches
+from tpu_helpers.metrics import metric_count
 
 PAD = "<pad>"
 #: Label value the loss ignores (transformers' and PyTorch's cross-entropy default).
@@ -59,12 +59,12 @@ def tiny_gpt2(tokenizer, max_len: int, layers: int = 2, width: int = 64, heads: 
 
 def compiles() -> int:
     """XLA compilations so far in this process."""
-    return (met.metric_data("CompileTime") or [0])[0]
+    return metric_count("CompileTime")
 
 
 def host_reads() -> int:
     """Device-to-host transfers so far in this process."""
-    return (met.metric_data("TransferFromDeviceTime") or [0])[0]
+    return metric_count("TransferFromDeviceTime")
 
 
 class XlaCounts(TrainerCallback):
