@@ -254,6 +254,7 @@ def test_refit_in_the_same_process_works_and_compiles_nothing_new(fitted, digits
 SYNC_DIST_SCRIPT = """
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from tpu_helpers.data import ArrayDataset
@@ -263,8 +264,8 @@ from course.lightning_demo import LitDigits
 
 class CountReduceInSteps(L.Callback):
     # Counts strategy.reduce (what sync_dist=True calls) between a step's start and end.
-    def __init__(self):
-        self.in_step = self.calls = self.steps = 0
+    def __init__(self, mode):
+        self.mode, self.in_step, self.calls, self.steps = mode, 0, 0, 0
 
     def setup(self, trainer, pl_module, stage):
         reduce = trainer.strategy.reduce
@@ -282,19 +283,24 @@ class CountReduceInSteps(L.Callback):
         self.in_step = 0
         self.steps += 1
 
+    def on_fit_end(self, trainer, pl_module):  # in each rank's process
+        print(f"rank {trainer.global_rank} {self.mode}: {self.calls} reduce calls in "
+              f"{self.steps} steps", flush=True)
+
 
 if __name__ == "__main__":
     train = ArrayDataset(*load_digits("train"))
     for mode in ("prog_bar", "epoch"):
-        counter = CountReduceInSteps()
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1,
+        counter = CountReduceInSteps(mode)
+        # forked ranks, as XLAStrategy starts them on a TPU (no second interpreter to import)
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=1,
+                            strategy=DDPStrategy(start_method="fork",
+                                                 process_group_backend="gloo"),
                             limit_train_batches=4, callbacks=[counter], logger=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             enable_checkpointing=False)
         trainer.fit(LitDigits(loss_logging=mode),
                     DataLoader(train, batch_size=32, shuffle=True, drop_last=True))
-        print(f"rank {trainer.global_rank} {mode}: {counter.calls} reduce calls in "
-              f"{counter.steps} steps", flush=True)
 """
 
 
