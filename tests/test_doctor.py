@@ -215,14 +215,65 @@ def test_a_crash_is_reported_with_its_line(tmp_path):
 # --------------------------------------------------------------------------- the dynamic pass
 
 
+STEPS = 8  # every dynamic run below: 2 warm-up steps and 6 measured
+_ROW = re.compile(r"^\s*(\d+)  (error|warning|info)\s+(\S+) ", re.M)  # a row of the table
+_RUN = re.compile(r"^run: \d+ steps, \d+ compiles after warm-up, [\d.]+ device-to-host "
+                  r"transfers/step, fallback ops ", re.M)
+
+
+def minus(found: list[str], static: list[str]) -> list[str]:
+    """What a report adds to the static pass's alarms: the dynamic pass's."""
+    return list((Counter(found) - Counter(static)).elements())
+
+
+@pytest.fixture(scope="module")
+def cli_item():
+    """``tpu-doctor --run 8 --json dyn_item.py`` as a user runs it (the corpus counts its
+    dynamic findings too: one run of the script, not two)."""
+    script = CORPUS / "dyn_item.py"
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "tpu_helpers.doctor", "--run", str(STEPS),
+                           "--json", str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    print(f"--run {STEPS} on {script.name}: {time.perf_counter() - start:.1f} s")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def flat_crash(tmp_path_factory):
+    """The doctor pair copied flat into a folder with an old script, run there with --run 8
+    (the corpus counts its dynamic findings too)."""
+    tmp_path = tmp_path_factory.mktemp("flat")
+    for name in ("doctor.py", "doctor_run.py"):
+        shutil.copy(REPO / "tpu_helpers" / name, tmp_path / name)
+    shutil.copy(CORPUS / "dyn_crash.py", tmp_path / "old_script.py")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    return subprocess.run([sys.executable, "doctor.py", "--run", str(STEPS), "old_script.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+
 @pytest.mark.slow
-def test_dynamic_corpus(capsys):
-    """Every dyn_* script (and both port scripts) run for real on XLA:CPU, 8 steps."""
+def test_dynamic_corpus(cli_item, flat_crash):
+    """Every dyn_* script (and both port scripts) run for real on XLA:CPU, 8 steps: dyn_item.py
+    through the command line and dyn_crash.py through the flat copy (the tests below read
+    the same runs), the others through ``dynamic_findings``."""
     cases = []
     for path in [*DYNAMIC, PORT / "port_minimal.py", PORT / "original.py"]:
-        found, run, _notes = doctor.dynamic_findings(str(path), steps=8, timeout=240)
+        static = alarms(doctor.static_findings(path.read_text(), str(path)))
+        if path.name == "dyn_item.py":
+            out = json.loads(cli_item.stdout)
+            found, run = minus([f"{f['kind']}@{f['line']}" for f in out["findings"]
+                                if f["severity"] != "info"], static), out["run"]
+        elif path.name == "dyn_crash.py":
+            rows = [f"{k}@{n}" for n, sev, k in _ROW.findall(flat_crash.stdout) if sev != "info"]
+            found = minus(rows, static)
+            assert _RUN.search(flat_crash.stdout), flat_crash.stdout  # every field of the run
+            run = {"steps", "compiles_after_warmup", "transfers_per_step", "fallback_ops"}
+        else:
+            findings, run, _notes = doctor.dynamic_findings(str(path), steps=STEPS, timeout=240)
+            found = alarms(findings)
         want = expected(path, run=True) if path.parent == CORPUS else []
-        cases.append((path.name, want, alarms(found)))
+        cases.append((path.name, want, found))
         assert set(run) == {"steps", "compiles_after_warmup", "transfers_per_step",
                             "fallback_ops"}
     precision, recall, rows = score(cases)
@@ -231,18 +282,13 @@ def test_dynamic_corpus(capsys):
 
 
 @pytest.mark.slow
-def test_cli_json_schema_and_exit_status(tmp_path):
-    script = CORPUS / "dyn_item.py"
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "tpu_helpers.doctor", "--run", "4", "--json",
-                           str(script)], capture_output=True, text=True, timeout=300, cwd=REPO)
-    out = json.loads(proc.stdout)
-    print(f"--run 4 on {script.name}: {time.perf_counter() - start:.1f} s")
-    assert set(out) == {"findings", "run"} and out["run"]["steps"] == 4
+def test_cli_json_schema_and_exit_status(cli_item):
+    out = json.loads(cli_item.stdout)
+    assert set(out) == {"findings", "run"} and out["run"]["steps"] == STEPS
     assert {tuple(sorted(f)) for f in out["findings"]} == {
         ("file", "fix", "kind", "line", "message", "severity")}
     assert {f["kind"] for f in out["findings"]} <= set(doctor.KINDS)
-    assert out["run"]["transfers_per_step"] >= 1 and proc.returncode == 0  # warnings only
+    assert out["run"]["transfers_per_step"] >= 1 and cli_item.returncode == 0  # warnings only
     bad = subprocess.run([sys.executable, "-m", "tpu_helpers.doctor",
                           str(CORPUS / "article_custom_dataset.py")], capture_output=True,
                          text=True, cwd=REPO)
@@ -270,13 +316,8 @@ def test_ipython_magic(tmp_path):
 
 
 @pytest.mark.slow
-def test_doctor_pair_copied_flat_runs_both_passes(tmp_path):
-    for name in ("doctor.py", "doctor_run.py"):
-        shutil.copy(REPO / "tpu_helpers" / name, tmp_path / name)
-    shutil.copy(CORPUS / "dyn_crash.py", tmp_path / "old_script.py")
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "doctor.py", "--run", "3", "old_script.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+def test_doctor_pair_copied_flat_runs_both_passes(flat_crash):
+    proc = flat_crash
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert re.search(r"^\s+12\s+error\s+crash .*xrt_world_size", proc.stdout, re.M), proc.stdout
     assert re.search(r"^\s+12\s+error\s+removed-api", proc.stdout, re.M)
