@@ -35,7 +35,7 @@ from torch_xla.experimental.distributed_checkpoint._helpers import _CpuShards
 from tpu_helpers.spmd import (ShardedCheckpointError, device_mesh, load_sharded_checkpoint,
                               save_sharded_checkpoint)
 
-action, storage, root, init = sys.argv[1:5]
+action, storages, root, init = sys.argv[1:5]
 rank, world = int(sys.argv[5]), int(sys.argv[6])
 xr.use_spmd()
 dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
@@ -51,62 +51,72 @@ def sharded(t):
     return x
 
 common, rows, own = randn(1, 4, 6), randn(2, ROWS * world, 5), randn(10 + rank, 2, 3)
-folder = Path(root) / (f"host{rank}" if storage == "local" else "shared") / "ck"
 mine = slice(rank * ROWS, (rank + 1) * ROWS)
-out = {"rank": rank}
 
-def attempt(name, fn):
-    try:
-        fn()
-        out[name] = "ok"
-    except Exception as exc:
-        out[name] = [type(exc).__name__, str(exc)]
 
-if action == "save":
-    shard = xs.XLAShard(rows[mine].clone(), [mine, slice(0, 5)], "CPU:0", 0)
-    state = {"common": sharded(common), "rows": _CpuShards([shard], rows.shape)}
-    if storage == "local":
-        state["own"] = own
-    kw = {"storage": "local"} if storage == "local" else {}  # "shared" is the default
-    save_sharded_checkpoint(state, folder, **kw)
-    save_sharded_checkpoint(state, folder, **kw)  # again, over the first one
+def case(storage):  # one storage mode, in the group's folders for it
+    folder = Path(root) / (f"host{rank}" if storage == "local" else "shared") / "ck"
+    out = {"rank": rank}
 
-    class Unpicklable:
-        def __reduce__(self):
-            raise RuntimeError("rank 1 cannot write this")
-    bad = {**state, "extra": Unpicklable()} if rank == 1 else state
-    attempt("failed_save", lambda: save_sharded_checkpoint(bad, folder, **kw))
-    dist.barrier()
-    out["listing"] = sorted(os.listdir(folder.parent))
-    out["files"] = sorted(os.listdir(folder))
-else:
-    back = {"common": sharded(torch.zeros(4, 6))}
-    if storage == "local":
-        back["own"] = torch.zeros(2, 3)
-        attempt("load", lambda: load_sharded_checkpoint(back, folder))
-        out["own_equal"] = torch.equal(back["own"], own)
-        # a host's own folder holds its rows of `rows`, not the others': asking for all
-        # of them must fail by name, on every host, never load a part silently
-        attempt("all_rows", lambda: load_sharded_checkpoint({"rows": torch.zeros(rows.shape)},
-                                                            folder))
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as exc:
+            out[name] = [type(exc).__name__, str(exc)]
+
+    if action == "save":
+        shard = xs.XLAShard(rows[mine].clone(), [mine, slice(0, 5)], "CPU:0", 0)
+        state = {"common": sharded(common), "rows": _CpuShards([shard], rows.shape)}
+        if storage == "local":
+            state["own"] = own
+        kw = {"storage": "local"} if storage == "local" else {}  # "shared" is the default
+        save_sharded_checkpoint(state, folder, **kw)
+        save_sharded_checkpoint(state, folder, **kw)  # again, over the first one
+
+        class Unpicklable:
+            def __reduce__(self):
+                raise RuntimeError("rank 1 cannot write this")
+        bad = {**state, "extra": Unpicklable()} if rank == 1 else state
+        attempt("failed_save", lambda: save_sharded_checkpoint(bad, folder, **kw))
+        dist.barrier()
+        out["listing"] = sorted(os.listdir(folder.parent))
+        out["files"] = sorted(os.listdir(folder))
     else:
-        back["rows"] = torch.zeros(rows.shape)
-        attempt("load", lambda: load_sharded_checkpoint(back, folder))
-        out["rows_equal"] = torch.equal(back["rows"], rows)
-    out["common_equal"] = torch.equal(back["common"].cpu(), common)
-    out["common_spec_kept"] = torch_xla._XLAC._get_xla_sharding_spec(back["common"]) != ""
-dist.barrier()
+        back = {"common": sharded(torch.zeros(4, 6))}
+        if storage == "local":
+            back["own"] = torch.zeros(2, 3)
+            attempt("load", lambda: load_sharded_checkpoint(back, folder))
+            out["own_equal"] = torch.equal(back["own"], own)
+            # a host's own folder holds its rows of `rows`, not the others': asking for all
+            # of them must fail by name, on every host, never load a part silently
+            attempt("all_rows", lambda: load_sharded_checkpoint(
+                {"rows": torch.zeros(rows.shape)}, folder))
+        else:
+            back["rows"] = torch.zeros(rows.shape)
+            attempt("load", lambda: load_sharded_checkpoint(back, folder))
+            out["rows_equal"] = torch.equal(back["rows"], rows)
+        out["common_equal"] = torch.equal(back["common"].cpu(), common)
+        out["common_spec_kept"] = torch_xla._XLAC._get_xla_sharding_spec(back["common"]) != ""
+    dist.barrier()
+    return out
+
+
+# both storage modes in the same processes (one torch_xla start per host, not two)
+report = {storage: case(storage) for storage in storages.split(",")}
 dist.destroy_process_group()
-print("JSON" + json.dumps(out))
+print("JSON" + json.dumps(report))
 """
 
 
-def run_group(tmp_path, action: str, storage: str, world: int = 2) -> list[dict]:
-    """Run ``world`` worker processes in one gloo group; return each one's JSON report."""
-    init = tmp_path / f"init-{action}-{storage}"
+def run_group(tmp_path, action: str, storages: str = "shared,local",
+              world: int = 2) -> list[dict]:
+    """Run ``world`` worker processes in one gloo group; return each one's JSON report
+    (storage mode -> what that case saw)."""
+    init = tmp_path / f"init-{action}"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2",
            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, action, storage,
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, action, storages,
                                str(tmp_path / "ckpts"), str(init), str(r), str(world)],
                               cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
@@ -125,15 +135,21 @@ def run_group(tmp_path, action: str, storage: str, world: int = 2) -> list[dict]
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("shared")
-    return run_group(tmp, "save", "shared"), run_group(tmp, "load", "shared")
+def groups(tmp_path_factory):
+    """Two hosts save both ways (a shared folder, each host's own), then two new processes
+    load both back."""
+    tmp = tmp_path_factory.mktemp("hosts")
+    return run_group(tmp, "save"), run_group(tmp, "load")
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("local")
-    return run_group(tmp, "save", "local"), run_group(tmp, "load", "local")
+def shared(groups):
+    return tuple([report["shared"] for report in reports] for reports in groups)
+
+
+@pytest.fixture(scope="module")
+def local(groups):
+    return tuple([report["local"] for report in reports] for reports in groups)
 
 
 def test_shared_folder_holds_every_hosts_shards_and_the_metadata(shared):
