@@ -22,12 +22,11 @@ import signal
 import subprocess
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 from tpu_helpers.env import (
     CPU_INDEX,
-    KAGGLE_LAUNCHER_VARS,
     EnvironmentProblem,
     MatchedSet,
     Runtime,
@@ -37,12 +36,13 @@ from tpu_helpers.env import (
     installed,
     matched_set,
     pip_command,
-    pop_kaggle_launcher_vars,
     runtime_initialized,
     tpu_chips,
     version_fix,
 )
 
+#: Variables Kaggle's TPU images set for their own launcher; they confuse torch_xla.launch.
+KAGGLE_LAUNCHER_VARS = ("TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID")
 #: Packages (distribution name -> pip requirement) the notebooks need beyond torch/torch_xla;
 #: installed on Colab/Kaggle only when missing, or older than a ``>=`` floor given here.
 NOTEBOOK_PACKAGES = {
@@ -127,6 +127,12 @@ def index_reachable(environ: Mapping[str, str] | None = None,
             return True
     except (OSError, ValueError):  # URLError, HTTPError, timeouts; ValueError: a bad URL
         return False
+
+
+def pop_kaggle_launcher_vars(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Remove Kaggle's launcher variables if present (guarded); return the ones removed."""
+    env = os.environ if environ is None else environ
+    return [k for k in KAGGLE_LAUNCHER_VARS if env.pop(k, None) is not None]
 
 
 def _release(version: str) -> tuple[int, ...]:

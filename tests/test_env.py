@@ -555,9 +555,9 @@ def test_setup_notebook_in_a_used_kernel_says_restart():
 
 def test_pop_kaggle_launcher_vars_is_guarded():
     environ = {"TPU_PROCESS_ADDRESSES": "a:1", "OTHER": "x"}
-    assert env.pop_kaggle_launcher_vars(environ) == ["TPU_PROCESS_ADDRESSES"]
+    assert setup.pop_kaggle_launcher_vars(environ) == ["TPU_PROCESS_ADDRESSES"]
     assert environ == {"OTHER": "x"}
-    assert env.pop_kaggle_launcher_vars(environ) == []  # absent: no error
+    assert setup.pop_kaggle_launcher_vars(environ) == []  # absent: no error
 
 
 def test_setup_notebook_locally_installs_nothing():

@@ -1,13 +1,9 @@
 """Text of any length without recompiling: length buckets (torch + numpy + stdlib only).
 
-Taught in notebook 09. Needs no sibling. XLA compiles a graph per input shape; here a batch holds
-samples of one bucket padded to its length (``boundaries``, e.g. ``(64, 128, 256)``): at most one
-graph per bucket. :func:`check_samples` checks every sample on the host first (a
-:class:`BucketError` names it); :class:`BucketSampler` (training) and :class:`BucketEvalSampler`
-(every sample scored once) give every replica the same bucket at each step, the plan depending
-only on ``(seed, epoch)``; ``DataLoader(BucketDataset(samples, boundaries),
-batch_sampler=BucketSampler(...), collate_fn=collate)`` gives ``tokens``/``mask`` ``[B, L]`` and
-``index`` ``[B]`` (-1 on padding rows).
+Taught in notebook 09. Needs no sibling. A batch holds samples of one bucket padded to its
+length (``boundaries``, e.g. ``(64, 128, 256)``): at most one graph per bucket. Every replica
+gets the same bucket at each step. ``DataLoader(BucketDataset(samples, boundaries),
+batch_sampler=BucketSampler(...), collate_fn=collate)``.
 """
 
 from __future__ import annotations
@@ -80,13 +76,10 @@ def _check_replicas(num_replicas: int, rank: int) -> None:
 def train_plan(buckets: np.ndarray, batch_size: int | Sequence[int], num_replicas: int,
                seed: int, epoch: int, drop_last: bool = True,
                shuffle: bool = True) -> list[tuple[int, np.ndarray]]:
-    """The epoch's steps for ALL replicas: ``(bucket, index [num_replicas, batch])`` each.
-
-    Depends only on its arguments, so every replica computes the same plan. Per bucket, the
-    samples are shuffled with ``(seed, epoch)`` and cut into global batches; the remainder is
-    dropped (``drop_last``) or filled with repeats from the bucket; then the steps of all
-    buckets are shuffled together.
-    """
+    """The epoch's steps for ALL replicas: ``(bucket, index [num_replicas, batch])`` each,
+    the same on every replica. Per bucket, samples are shuffled with ``(seed, epoch)`` and cut
+    into global batches (the remainder dropped, or filled with repeats); then all steps are
+    shuffled together."""
     nb = int(buckets.max()) + 1 if buckets.size else 0
     sizes = _batch_sizes(batch_size, nb)
     rng = np.random.default_rng([seed, epoch])

@@ -1,9 +1,7 @@
 """Checkpoints that survive preemption: complete state, written atomically, loaded safely.
 
-Taught in notebook 03 (``train.py`` saves and resumes with it). Needs no sibling; importing it
-does not touch the XLA device. :func:`capture_training_state` records every RNG (a resume is
-bit for bit), :func:`save_checkpoint` writes on the writer replica only through
-:func:`atomic_write`, :func:`load_checkpoint` uses ``torch.load(weights_only=True)``.
+Taught in notebook 03 (``train.py`` resumes with it). Needs no sibling; importing it does not
+touch the XLA device. A resume from :func:`capture_training_state` is bit for bit (every RNG).
 """
 
 from __future__ import annotations
@@ -109,15 +107,13 @@ def _to_cpu(obj: Any) -> Any:
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any]) -> Path:
     """Write ``path`` so that a kill at any moment leaves the old file or the new one.
 
-    ``write(f)`` fills a temp file (``"wb"``) in the same folder; it is fsync'ed, moved onto
-    ``path`` with ``os.replace``, and the folder fsync'ed (a preempted VM loses the page
-    cache). If ``write`` raises, the temp file is removed; after a SIGKILL it stays, never
-    under ``path``. The one way this package writes a file.
+    ``write(f)`` fills a temp file in the same folder; it is fsync'ed, moved onto ``path`` with
+    ``os.replace``, and the folder fsync'ed (a preempted VM loses the page cache). After a
+    SIGKILL the temp file stays, never under ``path``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}{TEMP_MARKER}{os.getpid()}-",
-                               dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}{TEMP_MARKER}{os.getpid()}-", dir=path.parent)
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -152,9 +148,8 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *,
     """Save ``state``: call on EVERY replica; returns the path on the writer, else ``None``.
 
     The writer (default :func:`is_checkpoint_writer`) writes a CPU copy atomically, then all
-    wait at ``barrier`` (default ``xm.rendezvous``). No ``torch_xla.sync()``: capture did it,
-    and another would move the recorded XLA RNG on.
-    """
+    wait at ``barrier`` (default ``xm.rendezvous``). No ``torch_xla.sync()``: it would move the
+    XLA RNG that :func:`capture_training_state` recorded."""
     writer = is_checkpoint_writer(storage) if is_writer is None else is_writer
     written = write_atomically(path, _to_cpu(state)) if writer else None
     if barrier is not None:
@@ -169,12 +164,9 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *,
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load a checkpoint dict onto the CPU with ``torch.load(weights_only=True)``.
-
-    Raises :class:`UnsafeCheckpointError` naming the file and the refused object if it holds
-    anything but tensors and plain containers (nothing is run), :class:`CheckpointError`
-    naming it if missing, truncated, corrupt or not a dict.
-    """
+    """Load a checkpoint dict onto the CPU with ``torch.load(weights_only=True)``: anything but
+    tensors and plain containers is :class:`UnsafeCheckpointError` (nothing is run); a missing,
+    damaged or non-dict file is :class:`CheckpointError` naming it."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file.")
@@ -250,11 +242,8 @@ class CheckpointDir:
                 p.unlink(missing_ok=True)
 
     def load_latest(self) -> tuple[dict[str, Any] | None, Path | None]:
-        """The newest step checkpoint that loads, and its path; ``(None, None)`` if none.
-
-        A damaged file is skipped with a warning; a refused one (:class:`UnsafeCheckpointError`)
-        is raised: resuming from an older one would change the run.
-        """
+        """The newest step checkpoint that loads, and its path; ``(None, None)`` if none. A
+        damaged file is skipped with a warning; a refused (unsafe) one raises."""
         for step in reversed(self.steps()):
             path = self.path_for(step)
             try:
@@ -281,10 +270,9 @@ def capture_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
                            extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Everything needed to resume, as one dict for :func:`save_checkpoint` (every replica).
 
-    On an XLA model it first runs ``torch_xla.sync()`` and THEN records the XLA RNG: the
-    resumed run sets it and syncs once before its next step, so dropout draws the same.
-    ``epoch``/``batch_in_epoch``: the next batch to run; ``step``: optimizer steps done;
-    ``extra``: plain values returned in :attr:`ResumePoint.extra`.
+    On an XLA model it runs ``torch_xla.sync()`` and THEN records the XLA RNG, so the resumed
+    run's dropout draws the same. ``epoch``/``batch_in_epoch``: the next batch to run; ``step``:
+    optimizer steps done; ``extra``: plain values returned in :attr:`ResumePoint.extra`.
     """
     if any(isinstance(t, torch.Tensor) and t.device.type == "xla"
            for t in model.state_dict().values()):

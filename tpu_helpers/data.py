@@ -1,13 +1,9 @@
 """Replica data loading for XLA: fixed batch shapes, each sample once, bad items named.
 
-Taught in notebooks 01 (written by hand first) and 02. Copy this file alone: torch and numpy
-only (omitted ``world_size``/``rank`` ask torch_xla's runtime). ``global_batch``: rows one
-optimizer step takes over ALL replicas; ``per_replica_batch``: rows one replica loads
-(:func:`per_replica_batch` splits, or raises). :func:`make_train_loader` gives each replica the
-same number of full batches of distinct samples; :func:`make_eval_loader` pads with masked rows
-(index ``-1``) so each index is scored once; both take the GLOBAL batch (notebook 01's raw
-``replica_*`` forms take the per-replica one). Every check raises :class:`DataError` naming the
-row or dataset index.
+Taught in notebooks 01 (the raw ``replica_*`` forms, per-replica batch) and 02. Copy this file
+alone: torch and numpy only (omitted ``world_size``/``rank`` ask torch_xla's runtime).
+:func:`make_train_loader` and :func:`make_eval_loader` take the GLOBAL batch (rows one optimizer
+step takes over ALL replicas); every check raises :class:`DataError` naming the row or index.
 """
 
 from __future__ import annotations
@@ -67,11 +63,7 @@ def load_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
     with np.load(path, allow_pickle=False) as f:  # arrays only: nothing can run code
         x, y = f["x"].astype(np.float32), f["y"]
     y = y.astype(np.int64) if y.dtype.kind == "f" and np.array_equal(y, np.round(y)) else y
-    check_labels(y, None, f"{path}: y")
-    present = np.unique(y)
-    if len(present) and len(present) != present[-1] + 1:
-        raise DataError(f"{path}: y holds {len(present)} distinct values in {present[0]}.."
-                        f"{present[-1]}, not the class ids 0..K-1 (a regression target?)")
+    check_labels(y, None, f"{path}: y", dense=True)
     return x, y.astype(np.int64)
 
 
@@ -144,12 +136,6 @@ def _check_batch(n: int, batch: int, name: str = "per_replica_batch") -> None:
         raise DataError("the dataset is empty (0 samples): nothing to load.")
 
 
-def train_steps_per_epoch(n: int, per_replica_batch: int, world_size: int) -> int:
-    """Full batches each replica runs per epoch under :func:`make_train_loader` (which takes
-    the global batch ``per_replica_batch * world_size``)."""
-    return n // world_size // per_replica_batch
-
-
 def per_replica_batch(global_batch, world_size):
     """One optimizer step takes ``global_batch`` rows over all replicas; each loads its share."""
     if global_batch % world_size:
@@ -173,12 +159,10 @@ def make_train_loader(dataset: Dataset, global_batch: int, *,
                       world_size: int | None = None,
                       rank: int | None = None, seed: int = 0,
                       num_workers: int = 0) -> DataLoader:
-    """This replica's loader for a GLOBAL batch of ``global_batch`` rows per optimizer step:
-    :func:`replica_train_loader` (taught in notebook 01) with the batch split by
-    :func:`per_replica_batch`, checked arguments and a collate naming an odd item's dataset
-    index; any world size runs ``len(dataset) // global_batch`` steps (each replica drops its
-    share of the ragged tail). Call ``loader.sampler.set_epoch(epoch)`` every epoch.
-    :class:`DataError` if the batch does not divide or a replica gets no full batch."""
+    """This replica's loader for ``global_batch`` rows per optimizer step:
+    :func:`replica_train_loader`, checked, with a collate naming an odd item's dataset index.
+    Every replica runs ``len(dataset) // global_batch`` steps; call
+    ``loader.sampler.set_epoch(epoch)`` each epoch."""
     ws, rk = _replica(world_size, rank)
     n = len(dataset)
     _check_batch(n, global_batch, "global_batch")
@@ -213,14 +197,12 @@ def replica_eval_indices(n, per_replica_batch, world_size, rank):
     return padded[rank::world_size]                      # dealt like DistributedSampler
 
 
-def eval_shard_indices(n: int, per_replica_batch: int, world_size: int,
-                       rank: int) -> np.ndarray:
+def eval_shard_indices(n: int, per_replica_batch: int, world_size: int, rank: int) -> np.ndarray:
     """The dataset indices replica ``rank`` evaluates (:func:`replica_eval_indices`, checked):
     ``-1`` pads every replica to as many full batches (each index on one replica, once). Pure."""
     _check_batch(n, per_replica_batch)
     _replica(world_size, rank)
-    return np.asarray(replica_eval_indices(n, per_replica_batch, world_size, rank),
-                      dtype=np.int64)
+    return np.asarray(replica_eval_indices(n, per_replica_batch, world_size, rank), dtype=np.int64)
 
 
 class PaddedEvalDataset(Dataset):
@@ -254,10 +236,9 @@ def replica_eval_loader(dataset, per_replica_batch, world_size, rank, **loader_a
 def make_eval_loader(dataset: Dataset, global_batch: int, *,
                      world_size: int | None = None, rank: int | None = None,
                      num_workers: int = 0) -> DataLoader:
-    """This replica's evaluation loader for a GLOBAL batch of ``global_batch`` rows per step:
-    :func:`replica_eval_loader` (taught in notebook 01), checked: batches of
-    ``per_replica_batch(global_batch, world_size)`` ``(x, y, index, mask)`` rows, all full, as
-    many on every replica; each dataset index is in one unmasked row. Reduce with the mask."""
+    """This replica's evaluation loader for ``global_batch`` rows per step:
+    :func:`replica_eval_loader`, checked: full ``(x, y, index, mask)`` batches, as many on
+    every replica; each dataset index is in one unmasked row. Reduce with the mask."""
     ws, rk = _replica(world_size, rank)
     _check_batch(len(dataset), global_batch, "global_batch")
     return replica_eval_loader(dataset, per_replica_batch(global_batch, ws), ws, rk,
@@ -326,8 +307,7 @@ def _checked_collate(batch: list, items: Sequence[Any], ref: int,
 def _collate_eval(batch: list[tuple]) -> Any:
     """``(x, y, index, mask)`` rows: ``x``, ``y`` checked against the first real row's."""
     ref = next((i for i, row in enumerate(batch) if row[3]), 0)
-    return _checked_collate(batch, [row[:2] for row in batch], ref,
-                            lambda i: int(batch[i][2]))
+    return _checked_collate(batch, [row[:2] for row in batch], ref, lambda i: int(batch[i][2]))
 
 
 def _collate_train(batch: list) -> Any:

@@ -1,8 +1,8 @@
 """MpDeviceLoader that never ends an epoch silently: :class:`StrictDeviceLoader`.
 
-Taught in ``notebooks/02_parallel_loader.ipynb``; copy this file alone. In torch_xla 2.8/2.9
-an exception in the host DataLoader (in ParallelLoader's thread) is only printed and the epoch
-ENDS EARLY, leaving other replicas waiting in a collective. Importing does not touch the device.
+Taught in notebook 02; copy this file alone. In torch_xla 2.8/2.9 an exception in the host
+DataLoader (ParallelLoader's thread) is only printed and the epoch ENDS EARLY, leaving the other
+replicas waiting in a collective. Importing does not touch the device.
 """
 
 from __future__ import annotations

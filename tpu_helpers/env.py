@@ -1,10 +1,7 @@
 """Where am I running, and is it set up right? Runtime detection, local TPU emulation, versions.
 
-Taught in ``notebooks/00_environment.ipynb``. Needs no sibling (standard library only; copied
-alone, ``python env.py`` prints a report). Nothing here starts the XLA runtime or touches a
-device: it reads environment variables, ``/sys/bus/pci`` and package metadata only.
-:data:`SUPPORTED` lists the matched sets (torch_xla 2.9 as on Colab, 2.8 as on Kaggle); the
-course's installing setup cell builds on this in ``course/setup.py``.
+Taught in notebook 00. Standard library only (``python env.py`` prints a report); reads
+environment variables, ``/sys/bus/pci`` and package metadata, never the XLA device.
 """
 
 import importlib.metadata as md
@@ -16,14 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-#: Variables Kaggle's TPU images set for their own launcher; they confuse torch_xla.launch.
-KAGGLE_LAUNCHER_VARS = ("TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID")
 #: Google's PCI device id -> TPU generation (torch_xla/_internal/tpu.py, v2.9.0; v2 = v3's id).
 _PCI = {"0x0027": "v3", "0x005e": "v4", "0x0063": "v5e", "0x0062": "v5p", "0x006f": "v6e"}
 
 
 class EnvironmentProblem(RuntimeError):
     """A setup problem in one sentence with its fix; Jupyter shows it without a traceback."""
+
     def _render_traceback_(self) -> list[str]:  # IPython hook
         return [f"EnvironmentProblem: {self}"]
 
@@ -31,6 +27,7 @@ class EnvironmentProblem(RuntimeError):
 @dataclass(frozen=True)
 class Layout:
     """How ``torch_xla.launch`` lays out processes and devices on one host."""
+
     processes: int
     devices_per_process: int
     note: str = ""
@@ -310,12 +307,6 @@ def configure_emulation(num_devices: int = 1, environ: MutableMapping[str, str] 
     env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(num_devices)})
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # XLA's C++ INFO lines are noise; warnings show
     return rt
-
-
-def pop_kaggle_launcher_vars(environ: MutableMapping[str, str] | None = None) -> list[str]:
-    """Remove Kaggle's launcher variables if present (guarded); return the ones removed."""
-    env = os.environ if environ is None else environ
-    return [k for k in KAGGLE_LAUNCHER_VARS if env.pop(k, None) is not None]
 
 
 def report() -> str:

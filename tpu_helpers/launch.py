@@ -1,9 +1,7 @@
 """``torch_xla.launch`` that names the failing rank: :func:`launch` (any loop, no ``fit``).
 
-Taught in ``notebooks/03_multicore_training.ipynb``. Copy this file alone. Before any process
-starts, :func:`check_picklable` names the part of ``fn``/``args`` the pool cannot send; a
-replica's exception, native crash (faulthandler's dump) or silent death (SIGKILL, os._exit)
-raises :class:`ReplicaFailed` naming the rank. Importing it does not touch the XLA device.
+Taught in notebook 03. Copy this file alone; importing it does not touch the XLA device. A
+replica's exception, native crash or silent death (SIGKILL, os._exit) names the rank.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """A guard for your own loops: count what XLA did in a block and fail when it recompiles.
 
-Taught in ``notebooks/05_performance_debugging.ipynb`` (first shown in 00). Copy this file
-alone: no sibling. :func:`track` counts a ``with`` block and raises :class:`LimitExceeded`
-naming the counts, the CPU-fallback ops and the line of each host read. Importing it does
-not touch the device nor import torch_xla (which picks a default ``PJRT_DEVICE``).
+Taught in notebook 05 (first shown in 00). Copy this file alone. Importing it neither touches
+the device nor imports torch_xla (which picks a default ``PJRT_DEVICE``).
 """
 
 from __future__ import annotations
@@ -128,9 +126,8 @@ class LimitExceeded(AssertionError):
 
 @dataclass
 class Tracked:
-    """Filled in when the ``with track() as t:`` block ends: its :class:`Counts`, the
-    fallback ops (name -> times), the host reads (when recorded), and the ``notes`` (lines
-    for the message) and ``details`` an ``on_exit`` hook added."""
+    """Filled in when the ``with track() as t:`` block ends; an ``on_exit`` hook may add
+    ``notes`` (lines for the message) and ``details``."""
 
     counts: Counts = Counts()
     fallback_ops: dict[str, int] = field(default_factory=dict)

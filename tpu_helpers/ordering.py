@@ -1,9 +1,6 @@
 """Every prediction exactly once, in dataset order: the pure part (numpy + stdlib only).
 
-Taught in ``notebooks/04_prediction_gathering.ipynb``. Needs no sibling; no torch.
-:func:`exactly_once` orders gathered rows (padding and repeats dropped), :class:`OrderedBuffer`
-does it over chunks, and rank files (:func:`save_rank_file`, :func:`merge_rank_files`, read
-without pickle) carry outputs too big to gather.
+Taught in notebook 04. Needs no sibling. Rank files carry outputs too big to gather.
 """
 
 from __future__ import annotations
@@ -44,11 +41,10 @@ def exactly_once(index: Any, mask: Any, values: Any, n: int | None = None, *,
                  complete: bool = True) -> Ordered:
     """Order gathered rows by dataset index, drop padding and repeats, check the count.
 
-    ``index``: integers of any shape (e.g. ``[world, steps, batch]``), -1 on padding;
-    ``mask``: True on real rows (``None``: ``index >= 0``); ``values``: ``index.shape +
-    row_shape`` (object arrays too). Real indices must be in ``0..n-1`` and, with
-    ``complete``, all present. Repeats: the first in gather order wins, the rest are counted.
-    Raises :class:`PredictionError` naming the bad row or the missing indices.
+    ``index``: integers of any shape (e.g. ``[world, steps, batch]``), -1 on padding; ``mask``:
+    True on real rows (``None``: ``index >= 0``); ``values``: ``index.shape + row_shape``. Real
+    indices must be in ``0..n-1`` and, with ``complete``, all present. The first repeat in
+    gather order wins. :class:`PredictionError` names the bad row or the missing indices.
     """
     idx = _host_array(index, "index")
     if idx.dtype.kind not in "iu":

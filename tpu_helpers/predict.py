@@ -1,12 +1,8 @@
 """Predictions from every replica, exactly once, in dataset order: the loop and the backends.
 
-Taught in notebook 04 (its ``#@save`` cell: :func:`pack_ids`, :func:`gather_step`); needs
-``ordering.py``. :func:`predict` runs on every replica over full, padded batches ``(x, ...,
-index, mask)`` (``data.make_eval_loader``) or length-bucket dicts (``buckets.collate``: the model
-gets ``(tokens, mask)``, one compile per bucket). Backends only move rows: :class:`XlaReplicas`
-(``xm.all_gather`` in the step graph), :class:`SpmdMesh`, :class:`TorchDistributedReplicas`. Bad
-input is a :class:`PredictionError` naming the step and indices, before a hang. Importing this
-module does not touch the XLA device.
+Taught in notebook 04; needs ``ordering.py``. Batches are ``(x, ..., index, mask)``
+(``data.make_eval_loader``) or length-bucket dicts (``buckets.collate``: the model gets ``(tokens,
+mask)``). Backends only move rows. Importing this module does not touch the XLA device.
 """
 
 from __future__ import annotations
@@ -48,12 +44,10 @@ class Predictions:
 def tensors_to_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copy many XLA tensors to the host in ONE device-to-host transfer (CPU ones pass).
 
-    Why a private call: no public one does only this. ``t.cpu()`` is one transfer per tensor;
-    ``torch.cat(tensors).cpu()`` compiles a graph per count of tensors; ``xm.do_on_ordinals``
-    copies in one transfer but then joins a rendezvous (an ``all_gather`` graph and a read).
-    torch_xla's own ``xm.save``, ``xm.do_on_ordinals`` and ``xm.mesh_reduce`` copy through
-    ``_maybe_convert_to_cpu``, which calls ``torch_xla._XLAC._xla_get_cpu_tensors``
-    (torch_xla v2.9.0 and v2.8.0, ``torch_xla/core/xla_model.py``); this calls it directly."""
+    A private call because no public one does only this (``t.cpu()``: a transfer per tensor;
+    ``torch.cat``: a graph per count; ``xm.do_on_ordinals``: also a rendezvous). ``xm.save`` and
+    ``xm.mesh_reduce`` copy through ``_maybe_convert_to_cpu``, which calls this one,
+    ``torch_xla._XLAC._xla_get_cpu_tensors`` (``torch_xla/core/xla_model.py``, v2.9.0, v2.8.0)."""
     xla = [t for t in tensors if t.device.type == "xla"]
     copies = iter(torch_xla._XLAC._xla_get_cpu_tensors(xla) if xla else [])
     return [next(copies) if t.device.type == "xla" else t for t in tensors]
@@ -326,10 +320,9 @@ def predict(model: torch.nn.Module, loader, n: int | None = None,
             options: PredictOptions | None = None) -> Predictions | None:
     """Run ``model`` (on the device, in eval mode, no grad) over this replica's ``loader``.
 
-    Call it on every replica; ``n`` defaults to ``len(loader.dataset)``. One compile per batch
-    shape. Returns :class:`Predictions` on the master (every rank with ``all_ranks`` or
-    ``gather=False``, where an empty loader gives no rows), else ``None``. Bad input raises
-    :class:`PredictionError` before a hang.
+    Call it on every replica; ``n`` defaults to ``len(loader.dataset)``. Returns
+    :class:`Predictions` on the master (every rank with ``all_ranks`` or ``gather=False``), else
+    ``None``. Bad input raises :class:`PredictionError` naming the step, before a hang.
     """
     opts = options if options is not None else PredictOptions()
     backend = opts.backend or (SpmdMesh() if xr.is_spmd() else XlaReplicas())

@@ -160,8 +160,7 @@ def tensor_placements(t: torch.Tensor) -> list[ShardPlacement]:
     return shard_placements(sharding_spec(t), t.shape, xr.global_runtime_device_count())
 
 
-def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module
-                     ) -> list[dict[str, Any]]:
+def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> list[dict[str, Any]]:
     """A row per tensor (or parameter): ``copies`` (devices holding each element), ``bytes``,
     ``bytes/device`` (padded shard), ``fraction``; ``pd.DataFrame(rows)`` makes a table."""
     named = (tensors.named_parameters() if isinstance(tensors, torch.nn.Module)
@@ -248,13 +247,11 @@ def xla_storage_writer(directory: str | os.PathLike[str]) -> dist_cp.FileSystemW
 def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.PathLike[str],
                             storage: str = "shared") -> Path:
     """``dist_cp.save`` (``SPMDSavePlanner``, no gather) into a temporary folder renamed onto
-    ``directory``: a kill leaves the old checkpoint (``.<name>.old-<pid>`` between the renames,
-    which the loader falls back to) or the new one. On a pod call it on every host after
-    ``dist.init_process_group("gloo", init_method="xla://")``; a failure on any host raises on
-    all and keeps the old checkpoint. ``storage="shared"`` (one folder every host sees): all
-    write into rank 0's temporary folder, rank 0 checks every file and renames it. ``"local"``
-    (each host its own disk): each host writes what it holds (its shards, replicated values,
-    its ``.metadata``), which loads back there with the same mesh and sharding."""
+    ``directory``: a kill leaves the old checkpoint or the new one. On a pod call it on every
+    host after ``dist.init_process_group("gloo", init_method="xla://")``; a failure on any host
+    raises on all. ``storage="shared"``: every host writes into rank 0's folder; ``"local"``
+    (each host its own disk): each host writes what it holds, loaded back there with the same
+    mesh and sharding."""
     if storage not in ("shared", "local"):
         raise ValueError(f"storage must be 'shared' or 'local', not {storage!r}")
     final = Path(directory)

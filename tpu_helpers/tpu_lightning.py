@@ -1,10 +1,8 @@
 """PyTorch Lightning 2.6 on TPU: Trainer arguments, atomic checkpoints, exactly-once predictions.
 
-Taught in notebook 06. Copy it with ``checkpoint.py`` and ``ordering.py`` (named
-``tpu_lightning`` because a ``lightning.py`` would hide the lightning package). Importing it
-imports Lightning and torch_xla but does not touch the XLA device. ``trainer.predict`` returns
-``None`` with several processes (Lightning issue 7755): :class:`ExactlyOncePredictionWriter`
-writes every prediction once, in dataset order, also for fewer samples than processes.
+Taught in notebook 06. Copy it with ``checkpoint.py`` and ``ordering.py`` (a ``lightning.py``
+would hide the lightning package). Importing it does not touch the XLA device.
+``trainer.predict`` returns ``None`` with several processes (Lightning issue 7755).
 """
 
 from __future__ import annotations
@@ -59,10 +57,7 @@ class AtomicXLACheckpointIO(XLACheckpointIO):
 def trainer_kwargs(devices: int | str | Sequence[int] = "auto", *,
                    accelerator: str | Accelerator = "tpu") -> dict[str, Any]:
     """Keyword arguments for ``lightning.Trainer`` on a TPU host; touches no device.
-
-    ``devices``: ``"auto"``, ``1``, the host's device count or ``[i]``, else ``ValueError``
-    before Lightning starts. ``accelerator``: e.g. the course's XLA:CPU one.
-    """
+    ``devices``: ``"auto"``, ``1``, the host's device count or ``[i]``, else ``ValueError``."""
     ok = (devices == "auto"
           or (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1)
           or (isinstance(devices, str) and devices.strip().replace(",", "").isdigit())
@@ -72,8 +67,7 @@ def trainer_kwargs(devices: int | str | Sequence[int] = "auto", *,
         raise ValueError(
             f"devices={devices!r}: Lightning 2.6 on TPU takes 'auto', 1, the number of "
             "devices on this host (e.g. 8 on a v5e-8, 4 on a v4-8) or a one-element list [i].")
-    return {"accelerator": accelerator, "devices": devices,
-            "plugins": [AtomicXLACheckpointIO()]}
+    return {"accelerator": accelerator, "devices": devices, "plugins": [AtomicXLACheckpointIO()]}
 
 
 def rank_file(output_dir: str | Path, rank: int, world_size: int) -> Path:
@@ -127,11 +121,10 @@ def _dataset_length(loader: Any) -> int | None:
 class ExactlyOncePredictionWriter(BasePredictionWriter):
     """Every prediction exactly once, in dataset order, from ``trainer.predict`` on any devices.
 
-    Each rank keeps its rows with Lightning's ``batch_indices`` and writes a rank file; rank 0
-    merges them (``predictions``) and writes :data:`MERGED_FILE`; with several processes use
-    :func:`read_predictions`, or call :meth:`predict`, which also handles fewer samples than
-    processes. One predict dataloader over a map-style dataset; ``predict_step`` returns one
-    tensor, a row per sample. ``n``: the length if ``len(dataset)`` cannot tell.
+    Each rank writes a rank file (Lightning's ``batch_indices``); rank 0 merges them
+    (``predictions``). With several processes use :func:`read_predictions`, or :meth:`predict`,
+    which also handles fewer samples than processes. One predict dataloader over a map-style
+    dataset; ``predict_step`` returns one tensor, a row per sample.
     """
 
     def __init__(self, output_dir: str | Path, n: int | None = None) -> None:
@@ -164,11 +157,7 @@ class ExactlyOncePredictionWriter(BasePredictionWriter):
 
     def predict(self, trainer: L.Trainer, model: L.LightningModule, loader: DataLoader) -> Ordered:
         """``trainer.predict(model, loader)`` with this writer; the merged rows in this process.
-
-        Checked here, before any process starts: the writer is one of the Trainer's callbacks
-        and the dataset is not empty. With fewer samples than processes the dataset is padded
-        (:class:`PaddedToWorld`) and the padding rows are dropped from the rank files.
-        """
+        With fewer samples than processes the dataset is padded (:class:`PaddedToWorld`)."""
         if not any(cb is self for cb in trainer.callbacks):
             raise PredictionError("this writer is not in the Trainer's callbacks: "
                                   "L.Trainer(..., callbacks=[writer]).")
