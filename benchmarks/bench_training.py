@@ -48,7 +48,24 @@ Columns: steps/s (median), ratio to (d) and to (e), compiles during the first tw
 (warm-up, model set-up included) and after them, device-to-host transfers and graph
 executions per step (warm runs; more than one execution per step means the host cut the
 graph), CPU milliseconds per step (all threads of the process: much less inflated by other
-load than wall time), peak host RSS of the row's process, steps run per run.
+load than wall time), host milliseconds per step (below), peak host RSS of the row's
+process, steps run per run, and the 1-minute load average seen during the warm runs.
+
+Host ms/step is the CPU time of the threads that trace and dispatch a step: the Python thread
+that runs the loop plus PyTorch's autograd worker thread (``backward()`` of XLA tensors is
+traced there), from ``/proc/self/task/*/schedstat``. XLA:CPU executes compiled graphs on
+other threads, which it leaves out (tests/test_metrics_benchmarks.py: 1,000 times the
+device work, the same host time), as it leaves out ``MpDeviceLoader``'s threads, which work
+beside the step. On a TPU the device step of this model is far shorter than the host's
+tracing, so host ms/step is what bounds steps/s there [expected].
+
+  (f) and (g): (e') plus ours' per-step seed and totals, the step under
+      ``torch_xla.compile`` (the lazy tracer between two syncs; the seed is set inside, or the
+      first sync would move it) and with the model under ``torch.compile(backend="openxla")``
+      (the backward and the optimizer stay lazy: compiling the whole step with the backward
+      and ``optimizer.step()`` inside fails on 2.8 and 2.9 with "Check failed:
+      cachedComputation"). (f) trains the lazy loop's losses bit for bit; (g) draws other
+      dropout masks (the same losses only without dropout: tests/test_train_compiled.py).
 """
 
 from __future__ import annotations
@@ -593,6 +610,8 @@ def summarise(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 1e3 * w["host_seconds"] / w["steps"] for w in warm), 3),
             "fallbacks_per_step": round(sum(w["n_fallback_ops"] for w in warm) / steps, 3),
             "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs)),
+            "load_1min": [min(w.get("load", 0.0) for w in warm),
+                          max(w.get("load", 0.0) for w in warm)],
             "steps_run": runs[0]["warm"][0]["steps"],
             "epochs": runs[0]["epochs"],
         })
@@ -620,6 +639,7 @@ def run(quick: bool = False, rows: list[str] | None = None) -> list[dict[str, An
             for r in range(repeats):
                 for key in (order if r % 2 == 0 else order[::-1]):
                     results[key]["warm"].append(children[key].request("run"))
+                    results[key]["warm"][-1]["load"] = os.getloadavg()[0]  # others' jobs too
             for key in order:
                 results[key].update(children[key].request("quit"))
         finally:
