@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
 
+from course.datasets import load_digits
 from course.models import DigitsCNN
 from tpu_helpers.train import Config, builtin_optimizer, step_seed, train_step
 
@@ -18,9 +19,9 @@ STEPS = 12
 
 def _losses(how: str, dropout: float = 0.25) -> torch.Tensor:
     device = torch_xla.device()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(STEPS, 32, 1, 8, 8, generator=g).to(device)
-    y = torch.randint(0, 10, (STEPS, 32), generator=g).to(device)
+    images, labels = load_digits("train")
+    x = torch.from_numpy(images[:STEPS * 32]).view(STEPS, 32, 1, 8, 8).to(device)
+    y = torch.from_numpy(labels[:STEPS * 32]).view(STEPS, 32).to(device)
     torch.manual_seed(0)
     model = DigitsCNN(dropout=dropout).to(device)
     optimizer = builtin_optimizer(model.parameters(), Config(optimizer="sgd", lr=0.05))
@@ -47,7 +48,7 @@ def _losses(how: str, dropout: float = 0.25) -> torch.Tensor:
 def test_torch_xla_compile_trains_the_same_losses_bit_for_bit():
     lazy = _losses("lazy")
     assert torch.equal(_losses("xla"), lazy)
-    assert lazy[-1] < lazy[0]
+    assert lazy[-4:].mean() < lazy[:4].mean()  # it trains
 
 
 @pytest.mark.slow
