@@ -62,9 +62,9 @@ tracing, so host ms/step is what bounds steps/s there [expected].
   (f) and (g): (e') plus ours' per-step seed and totals, the step under
       ``torch_xla.compile`` (the lazy tracer between two syncs; the seed is set inside, or the
       first sync would move it) and with the model under ``torch.compile(backend="openxla")``
-      (the backward and the optimizer stay lazy: compiling the whole step with the backward
-      and ``optimizer.step()`` inside fails on 2.8 and 2.9 with "Check failed:
-      cachedComputation"). (f) trains the lazy loop's losses bit for bit; (g) draws other
+      (forward and backward as cached graphs, the optimizer lazy: compiling the whole step
+      with the backward and ``optimizer.step()`` inside fails on 2.8 and 2.9 with "Check
+      failed: cachedComputation"). (f) trains the lazy loop's losses bit for bit; (g) draws other
       dropout masks (the same losses only without dropout: tests/test_train_compiled.py).
 """
 
