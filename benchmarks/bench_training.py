@@ -48,7 +48,24 @@ Columns: steps/s (median), ratio to (d) and to (e), compiles during the first tw
 (warm-up, model set-up included) and after them, device-to-host transfers and graph
 executions per step (warm runs; more than one execution per step means the host cut the
 graph), CPU milliseconds per step (all threads of the process: much less inflated by other
-load than wall time), peak host RSS of the row's process, steps run per run.
+load than wall time), host milliseconds per step (below), peak host RSS of the row's
+process, steps run per run, and the 1-minute load average seen during the warm runs.
+
+Host ms/step is the CPU time of the threads that trace and dispatch a step: the Python thread
+that runs the loop plus PyTorch's autograd worker thread (``backward()`` of XLA tensors is
+traced there), from ``/proc/self/task/*/schedstat``. XLA:CPU executes compiled graphs on
+other threads, which it leaves out (tests/test_metrics_benchmarks.py: 1,000 times the
+device work, the same host time), as it leaves out ``MpDeviceLoader``'s threads, which work
+beside the step. On a TPU the device step of this model is far shorter than the host's
+tracing, so host ms/step is what bounds steps/s there [expected].
+
+  (f) and (g): (e') plus ours' per-step seed and totals, the step under
+      ``torch_xla.compile`` (the lazy tracer between two syncs; the seed is set inside, or the
+      first sync would move it) and with the model under ``torch.compile(backend="openxla")``
+      (forward and backward as cached graphs, the optimizer lazy: compiling the whole step
+      with the backward and ``optimizer.step()`` inside fails on 2.8 and 2.9 with "Check
+      failed: cachedComputation"). (f) trains the lazy loop's losses bit for bit; (g) draws other
+      dropout masks (the same losses only without dropout: tests/test_train_compiled.py).
 """
 
 from __future__ import annotations
@@ -88,12 +105,32 @@ ROWS = {
     "e": "(e) ceiling: ours' step, data on device (AdamW)",
     "d_sgd": "(d') ours with (b)'s SGD",
     "e_sgd": "(e') ceiling with (b)'s SGD",
+    "f": "(f) ours' step under torch_xla.compile (SGD)",
+    "g": "(g) ours' step, model under torch.compile openxla (SGD)",
 }
 #: Ours and the ceiling with upstream's optimizer, so (b) vs (d') compares loops only.
 UPSTREAM_SGD = {"lr": 0.01, "momentum": 0.5}
 
 
 # --------------------------------------------------------------------------- measuring
+
+
+def host_cpu_seconds() -> float:
+    """CPU seconds of THIS thread plus PyTorch's autograd worker threads (``pt_autograd_*``,
+    where ``backward()`` of XLA tensors is traced): the host work of tracing and dispatching a
+    step. Not counted: the threads XLA:CPU executes compiled graphs on and the loader threads
+    (``MpDeviceLoader``'s), which run beside the step. Linux: ``/proc/self/task/*/schedstat``."""
+    import threading
+
+    me, total = str(threading.get_native_id()), 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if tid == me or Path(f"/proc/self/task/{tid}/comm").read_text().startswith(
+                    "pt_autograd"):
+                total += int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+        except OSError:  # the thread ended
+            continue
+    return total / 1e9
 
 
 class _Window:
@@ -106,7 +143,8 @@ class _Window:
         self.steps = 0
         self.seconds = 0.0
         self.cpu_seconds = 0.0
-        self._c0 = 0.0
+        self.host_seconds = 0.0
+        self._c0 = self._h0 = 0.0
         self.counts: Any = None
         self.at_warmup: Any = None
         self.end: Any = None
@@ -122,6 +160,7 @@ class _Window:
         self._start = snapshot()
         self._t0 = time.perf_counter()
         self._c0 = time.process_time()
+        self._h0 = host_cpu_seconds()
 
     def step(self) -> None:
         """Called once per training step, after the step was traced (pure Python)."""
@@ -139,6 +178,7 @@ class _Window:
         xm.wait_device_ops()
         self.seconds = time.perf_counter() - self._t0
         self.cpu_seconds = time.process_time() - self._c0
+        self.host_seconds = host_cpu_seconds() - self._h0
         self.end = snapshot()
         self.counts = self.end - self._start
 
@@ -370,10 +410,56 @@ def ceiling_row(epochs: int, images, labels, sgd: bool = False) -> None:
     BENCH.stop()
 
 
+_DYNAMO: dict[str, Any] = {}  # one compiled model per row process: warm runs reuse its graphs
+
+
+def compiled_row(epochs: int, images, labels, how: str = "xla") -> None:
+    """(e') plus ours' per-step seed and totals, compiled: ``torch_xla.compile`` (the lazy
+    tracer between two syncs) or the model under ``torch.compile(backend="openxla")``."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from torch.utils.data import TensorDataset
+
+    from course.models import DigitsCNN
+    from tpu_helpers.train import builtin_optimizer, make_loaders, step_seed, train_step
+
+    config = _config(epochs, sgd=True)
+    device = torch_xla.device()
+    torch.manual_seed(config.seed)
+    if how == "xla" or not _DYNAMO:
+        model = DigitsCNN().to(device)
+        _DYNAMO.update(model=model, compiled=torch.compile(model, backend="openxla"))
+    model = _DYNAMO["model"]
+    optimizer = builtin_optimizer(model.parameters(), config)
+    train_set = TensorDataset(torch.from_numpy(images), torch.from_numpy(labels))
+    loader, _ = make_loaders(train_set, None, config, world=1, rank=0)
+    batches = [(x.to(device), y.to(device)) for x, y in loader]
+    totals = torch.zeros(3, device=device)
+    torch_xla.sync()
+
+    def step(totals, x, y, k):  # the seed is set INSIDE: compile's first sync would move it
+        xm.set_rng_state(step_seed(config.seed, k))
+        return totals + train_step(_DYNAMO["compiled"] if how == "dynamo" else model,
+                                   optimizer, x, y)
+
+    compiled = torch_xla.compile(step, name="ours_step") if how == "xla" else None
+    BENCH.start()
+    for k, (x, y) in enumerate(batches * epochs, 1):
+        if compiled is not None:
+            totals = compiled(totals, x, y, k)
+        else:
+            totals = step(totals, x, y, k)
+            torch_xla.sync()
+        BENCH.step()
+    BENCH.stop()
+
+
 ROW_FUNCTIONS = {"a": article_row, "b": upstream_row, "c": lightning_row,
                  "d": ours_row, "e": ceiling_row,
                  "d_sgd": functools.partial(ours_row, sgd=True),
-                 "e_sgd": functools.partial(ceiling_row, sgd=True)}
+                 "e_sgd": functools.partial(ceiling_row, sgd=True),
+                 "f": compiled_row, "g": functools.partial(compiled_row, how="dynamo")}
 
 
 # --------------------------------------------------------------------------- one row
@@ -418,6 +504,7 @@ class _RowProcess:
         with redirect_stdout(self.sink):
             self.fn(self.epochs, self.images, self.labels)
         return {"steps": BENCH.steps, "seconds": BENCH.seconds, "cpu_seconds": BENCH.cpu_seconds,
+                "host_seconds": BENCH.host_seconds,
                 **{f"n_{k}": v for k, v in BENCH.counts.as_dict().items()}}
 
     @staticmethod
@@ -519,15 +606,19 @@ def summarise(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             "executions_per_step": round(sum(w["n_executions"] for w in warm) / steps, 2),
             "cpu_ms_per_step": round(statistics.median(
                 1e3 * w["cpu_seconds"] / w["steps"] for w in warm), 2),
+            "host_ms_per_step": round(statistics.median(
+                1e3 * w["host_seconds"] / w["steps"] for w in warm), 3),
             "fallbacks_per_step": round(sum(w["n_fallback_ops"] for w in warm) / steps, 3),
             "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs)),
+            "load_1min": [min(w.get("load", 0.0) for w in warm),
+                          max(w.get("load", 0.0) for w in warm)],
             "steps_run": runs[0]["warm"][0]["steps"],
             "epochs": runs[0]["epochs"],
         })
     return rows
 
 
-def run(quick: bool = False) -> list[dict[str, Any]]:
+def run(quick: bool = False, rows: list[str] | None = None) -> list[dict[str, Any]]:
     """Run every row, each in its own process, and return one dict per row.
 
     The row processes are started one after the other (each compiles in its cold run while
@@ -537,7 +628,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     row; full: 3 epochs, 7. Does not touch the XLA device of the calling process.
     """
     epochs, repeats = (2, 3) if quick else (3, 7)
-    order = list(ROWS)
+    order = list(rows or ROWS)
     results: dict[str, dict[str, Any]] = {}
     children: dict[str, _Child] = {}
     with tempfile.TemporaryDirectory() as logs:
@@ -548,6 +639,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             for r in range(repeats):
                 for key in (order if r % 2 == 0 else order[::-1]):
                     results[key]["warm"].append(children[key].request("run"))
+                    results[key]["warm"][-1]["load"] = os.getloadavg()[0]  # others' jobs too
             for key in order:
                 results[key].update(children[key].request("quit"))
         finally:
@@ -566,6 +658,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             "ratio_vs_ceiling": "vs (e)", "compiles_warmup": "compiles warm-up",
             "compiles_after_warmup": "compiles after", "d2h_per_step": "d2h/step",
             "executions_per_step": "executions/step", "cpu_ms_per_step": "CPU ms/step",
+            "host_ms_per_step": "host ms/step",
             "peak_rss_mb": "peak RSS MB", "steps_run": "steps/run"}
     return frame[list(cols)].rename(columns=cols).to_string()
 
@@ -575,13 +668,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer epochs and repeats (CI)")
     ap.add_argument("--serve", choices=sorted(ROWS), help=argparse.SUPPRESS)
     ap.add_argument("--epochs", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--rows", help="comma-separated subset of rows: " + ",".join(ROWS))
     args = ap.parse_args(argv)
     if args.serve:  # one row in this fresh process, driven by run() over stdin/stdout
         _serve(args.serve, args.epochs)
         return 0
     quick = quick_mode(args.quick)
     start = time.perf_counter()
-    rows = run(quick=quick)
+    rows = run(quick=quick, rows=args.rows.split(",") if args.rows else None)
     print(format_rows(rows))
     print(f"({time.perf_counter() - start:.0f} s; batch {GLOBAL_BATCH}; each row in its own "
           "process; XLA:CPU timings are inflated by other load on this machine)")

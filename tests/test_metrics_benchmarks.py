@@ -18,7 +18,8 @@ from benchmarks import bench_training, run_all  # noqa: E402
 
 
 def _row(key: str, rate: float, compiles_after: int = 0) -> dict:
-    warm = [{"steps": 10, "seconds": 10 / r, "cpu_seconds": 0.1, "n_compiles": 0,
+    warm = [{"steps": 10, "seconds": 10 / r, "cpu_seconds": 0.1, "host_seconds": 0.02,
+             "n_compiles": 0,
              "n_executions": 10, "n_transfers_to_device": 10, "n_transfers_from_device": 1,
              "n_fallback_ops": 0} for r in (rate * 0.9, rate, rate * 1.1)]
     return {"key": key, "epochs": 2, "cold_compiles": 2 + compiles_after, "compiles_warmup": 2,
@@ -37,11 +38,13 @@ def test_summarise_medians_ratios_and_goals():
     assert by_key["d"]["ratio_vs_ceiling"] == round(40 / 45, 3)
     assert by_key["c"]["steps_per_s_min"] == 9.0 and by_key["c"]["steps_per_s_max"] == 11.0
     assert by_key["b"]["d2h_per_step"] == 0.1 and by_key["b"]["runs"] == 3
+    assert by_key["b"]["host_ms_per_step"] == 2.0 and by_key["b"]["cpu_ms_per_step"] == 10.0
     met = dict(run_all.goals(rows))
     assert met["(d) ours: 0 compiles after warm-up"]
     assert met["(d) ours: fewest compiles after warm-up of all rows"]
     assert met["(d') ours with SGD steps/s >= (b) upstream pattern (SGD)"]  # 50 vs 30
-    assert met["(d) ours / (e) ceiling = 0.89 >= 0.8"]
+    assert not met["(d) ours / (e) ceiling = 0.89 >= 0.95"]
+    assert met["(d') ours host ms/step 2.00 <= (b) upstream's 2.00"]
     table = run_all.table_rows(rows)
     assert [t["row"] for t in table] == [bench_training.ROWS[k] for k in results]
     assert table[2]["compiles"] == "2 + 3 after"
@@ -53,7 +56,7 @@ def test_summarise_reports_a_missed_goal():
     met = dict(run_all.goals(bench_training.summarise(results)))
     assert not met["(d) ours: 0 compiles after warm-up"]
     assert not met["(d) ours steps/s >= (b) upstream pattern (SGD)"]
-    assert not met["(d) ours / (e) ceiling = 0.50 >= 0.8"]
+    assert not met["(d) ours / (e) ceiling = 0.50 >= 0.95"]
 
 
 @pytest.mark.slow
@@ -75,3 +78,35 @@ def test_article_loop_trains_one_epoch_and_cuts_graphs():
     assert warm["n_transfers_from_device"] == 3  # loss.item() at batches 0, 10, 20
     assert warm["n_executions"] == warm["steps"] + 3  # each .item() cuts the step's graph
     assert result["compiles_after_warmup"] >= 1  # the ragged last batch (1437 % 64 = 29)
+
+
+def test_host_time_counts_tracing_not_the_devices_execution():
+    """The benchmark's host ms/step: this thread and the autograd threads, not XLA's execution.
+
+    The same 40 traced ops with 64x64 and with 1024x1024 matrices (about 1,000 times the device
+    work): the process's CPU time grows by the execution, the host time does not."""
+    import time
+
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    device = torch_xla.device()
+
+    def run(size: int) -> tuple[float, float]:
+        a = torch.randn(size, size, device=device, requires_grad=True)
+        xm.wait_device_ops()
+        host, cpu = bench_training.host_cpu_seconds(), time.process_time()
+        for _ in range(4):
+            x = a
+            for _ in range(5):
+                x = torch.tanh(x @ a)
+            x.sum().backward()  # traced on PyTorch's autograd thread: counted
+            torch_xla.sync()
+            xm.wait_device_ops()
+        return bench_training.host_cpu_seconds() - host, time.process_time() - cpu
+
+    run(64), run(1024)  # compile both
+    small, big = run(64), run(1024)
+    assert big[1] - small[1] > 0.2  # the device's execution: CPU seconds on other threads
+    assert big[0] < 0.1 * big[1] and big[0] - small[0] < 0.05
