@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from conftest import run_python
+
+pytestmark = pytest.mark.both_lines  # tests/test_lines.py
 
 STEP = """
 import json, sys

@@ -34,6 +34,8 @@ from course.text import (
     fsdp_step_collectives,
 )
 
+pytestmark = pytest.mark.both_lines  # tests/test_lines.py
+
 
 def _model(cls=TinyGPT, **kwargs):
     torch.manual_seed(0)

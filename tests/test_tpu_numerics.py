@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-pytestmark = pytest.mark.one_line  # the lane runs on the 2.9 line only (Makefile test-tpu-numerics)
+pytestmark = pytest.mark.both_lines  # tests/test_lines.py
 
 LANE = REPO / "scripts" / "tpu_numerics"
 
