@@ -125,3 +125,21 @@ def venv_without_us(root: Path, hide=lambda name: False) -> Path:
                            "['purelib'])"], capture_output=True, text=True, check=True).stdout
     (Path(site.strip()) / "this_venvs_packages.pth").write_text(f"{links}\n")
     return python
+
+
+def _weight(item: pytest.Item) -> float:
+    """A rough cost in seconds: a notebook about 35, a test marked slow about 25, others 1."""
+    if item.path.suffix == ".ipynb":
+        return 35.0
+    return 25.0 if item.get_closest_marker("slow") else 1.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the files costliest first, keeping each file's tests together and in order: with
+    ``--dist loadfile --no-loadscope-reorder`` (the Makefile) the two workers then take the long
+    files first and end on short ones, instead of the last long file running alone."""
+    cost: dict[Path, float] = {}
+    for item in items:
+        cost[item.path] = cost.get(item.path, 0.0) + _weight(item)
+    first = {path: i for i, path in reversed(list(enumerate(item.path for item in items)))}
+    items.sort(key=lambda item: (-cost[item.path], first[item.path]))
