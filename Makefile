@@ -28,10 +28,11 @@ JOBS ?= 2
 
 help:
 	@echo "make lab            set up (once) and open JupyterLab on notebooks/ (local XLA:CPU emulation)"
-	@echo "make test           lint, unit tests + every notebook on torch_xla 2.9, again on 2.8, then the TPU-numerics lane"
-	@echo "make test-2.9       the same on one torch_xla line only (test-2.8 likewise)"
-	@echo "make test-tpu-numerics  every notebook again with a TPU's matmul numerics emulated (bf16 inputs)"
-	@echo "make test-jax       the SPMD/scan/attention notebooks and jax-path tests with jax importable, on 2.9 and 2.8"
+	@echo "make test           lint; every test + notebook on torch_xla 2.9; the both_lines tests on 2.8; both platform runs"
+	@echo "make test-2.9       every test and notebook on one torch_xla line only (test-2.8 likewise)"
+	@echo "make test-platforms every notebook as Colab (2.9) and Kaggle (2.8) ship it: jax importable, TPU matmul numerics"
+	@echo "make test-tpu-numerics  the TPU-numerics lane alone: every notebook on 2.9 with bf16 matmul inputs"
+	@echo "make test-jax       the jax lane alone: the notebooks and tests of jax's paths, on 2.9 and 2.8"
 	@echo "make run-notebooks  execute every notebook into outputs/ and print a timing table"
 	@echo "make bench          run every benchmark and print one table"
 	@echo "make wheel          build dist/tpu_helpers-*.whl (the toolkit and the course data)"
