@@ -67,16 +67,18 @@ lint: $(STAMP)
 # `make test` (what CI runs): lint, then
 #  1. the 2.9 line (Colab's torch_xla): every test file and every notebook, plain (no jax, exact
 #     float32 matmuls); each notebook's 90 s budget is enforced here (scripts/notebook_budget.py).
-#  2. the 2.8 line (Kaggle's): only what can differ between the lines. Tests: the files marked
-#     `both_lines`; a file carries the mark exactly when its text (with the code it runs in
-#     subprocesses, and the benchmarks/examples it names) touches what the torch_xla line can
-#     change: an integration that calls torch_xla (Lightning, transformers/accelerate, jax), a
-#     torch_xla API the lines treat differently (GradScaler, mesh_reduce, distributed
-#     checkpoints, the profiler, torch_xla.compile, the private _XLAC), the doctor, or a toolkit/
-#     course function that branches on the release ("2.8"/"2.9" in its code). tests/test_lines.py
-#     holds that list and fails on a missing or a stale mark. The other files run our own logic
-#     through the same torch_xla calls the notebooks make, and every notebook runs on 2.8 (in 4).
-#     Files that the platform runs run (PLATFORM_TESTS) are left to them.
+#  2. the 2.8 line (Kaggle's): only what can differ between the lines. Tests: those marked
+#     `both_lines`. tests/conftest.py marks each test whose code (the test, the scripts it runs in
+#     subprocesses, the helpers, fixtures and imports of its file it uses, the benchmarks and
+#     examples it names) touches what the torch_xla line can change: an integration that calls
+#     torch_xla (Lightning, transformers/accelerate, jax), a torch_xla API the lines treat
+#     differently (GradScaler, mesh_reduce, distributed checkpoints, the profiler,
+#     torch_xla.compile, the private _XLAC), the doctor, or a toolkit/course function that
+#     branches on the release ("2.8"/"2.9" in its code). The rule is tests/lines.py, applied at
+#     every collection, so it cannot go stale (tests/test_lines.py checks it on known tests); a
+#     file may add the mark by hand (pytestmark), or opt out with `one_line` and a reason. The
+#     other tests run our own logic through the torch_xla calls the notebooks make, and every
+#     notebook runs on 2.8 (in 4). Tests the platform runs run (PLATFORM_TESTS) are left to them.
 #  3./4. the platform runs, 2.9 then 2.8, every notebook as Colab and Kaggle ship torch_xla:
 #     with jax importable (both ship jax 0.7.2) and a TPU's matmul numerics emulated (the jax
 #     lane and the TPU-numerics lane at once; one run does both, so no notebook runs twice for
@@ -85,7 +87,7 @@ lint: $(STAMP)
 test: lint test-2.9 test-2.8 test-platforms
 	@echo "make test: passed on torch_xla 2.9 (all), 2.8 (both_lines tests), and both platform runs"
 
-# The 2.8 line within `make test`: the both_lines files, minus those the platform run has.
+# The 2.8 line within `make test`: the both_lines tests, minus the files the platform run has.
 LINE2_ARGS = tests -m both_lines $(addprefix --ignore=,$(PLATFORM_TESTS))
 $(addprefix test-,$(XLA_LINES)): test-%:
 	$(MAKE) --no-print-directory XLA=$* test-one \

@@ -135,9 +135,18 @@ def _weight(item: pytest.Item) -> float:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Order the files costliest first, keeping each file's tests together and in order: with
-    ``--dist loadfile --no-loadscope-reorder`` (the Makefile) the two workers then take the long
-    files first and end on short ones, instead of the last long file running alone."""
+    """Mark ``both_lines`` the tests whose code touches what the torch_xla line can change
+    (``tests/lines.py``; not those marked ``one_line``), and order the files costliest first,
+    keeping each file's tests together and in order: with ``--dist loadfile
+    --no-loadscope-reorder`` (the Makefile) the two workers take the long files first and end on
+    short ones, instead of the last long file running alone."""
+    import lines
+
+    for item in items:
+        if (item.path.name.startswith("test_") and item.path.suffix == ".py"
+                and item.path.parent == REPO / "tests" and not item.get_closest_marker("one_line")
+                and getattr(item, "originalname", item.name) in lines.both_lines(item.path)):
+            item.add_marker(pytest.mark.both_lines)
     cost: dict[Path, float] = {}
     for item in items:
         cost[item.path] = cost.get(item.path, 0.0) + _weight(item)

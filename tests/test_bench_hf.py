@@ -15,10 +15,9 @@ if str(REPO) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not a
 
 from benchmarks import bench_hf, run_all  # noqa: E402
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 # The same Trainer's counts are pinned on both torch_xla lines by notebook 11 and
 # tests/test_hugging_face.py; this checks the benchmark itself, on one line.
+pytestmark = pytest.mark.one_line
 
 TINY = {"speeches": 32, "epochs": 1, "warmup": 2, "layers": 1}
 

@@ -13,8 +13,6 @@ if str(REPO) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not a
 
 from benchmarks import bench_text, run_all  # noqa: E402
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 TINY = {"layers": 1, "steps": 2, "rounds": 1, "a_rounds": 1, "precision_steps": 1,
         "depths": (1,)}
 

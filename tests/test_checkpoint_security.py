@@ -30,8 +30,6 @@ from tpu_helpers.checkpoint import (
 )
 from tpu_helpers.ordering import PredictionError, merge_rank_files
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 
 class Payload:
     """Unpickling this calls ``os.makedirs(marker)``: harmless, and easy to see."""

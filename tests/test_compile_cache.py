@@ -21,8 +21,6 @@ from conftest import REPO, run_python
 from course.compile_cache import compile_cache_dir, enable_compile_cache
 from tpu_helpers.env import Runtime, detect_runtime, layout_for
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 CACHE_RUN = """
 import json, sys, warnings
 warnings.simplefilter("always")

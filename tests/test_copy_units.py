@@ -19,8 +19,6 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 UNITS = Path(__file__).with_name("copy_units")
 BLOCK_REPO = """
 import sys

@@ -16,6 +16,7 @@ import course_text as ct  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 READMES = [ROOT / "README.md", ROOT / "notebooks" / "README.md"]
+pytestmark = pytest.mark.one_line
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)

@@ -18,8 +18,6 @@ from course.loader_experiments import compare_loops, device_loader_loop, naive_l
 from tpu_helpers import data as D
 from tpu_helpers.device_loader import StrictDeviceLoader
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 
 @pytest.fixture(scope="module")
 def device():

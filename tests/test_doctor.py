@@ -25,8 +25,6 @@ from conftest import REPO
 
 from tpu_helpers import doctor, doctor_run
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 CORPUS = REPO / "tests" / "doctor_corpus"
 PORT = REPO / "examples" / "port"
 #: The notebooks' deliberate faults (kind@cell id); every other cell must come out clean.

@@ -19,8 +19,6 @@ from course import setup
 from tpu_helpers import env
 from tpu_helpers.env import EnvironmentProblem, configure_emulation, detect_runtime
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 #: The supported torch_xla line installed in this venv (2.9 in .venv, 2.8 in .venv-2.8; CI
 #: runs this file in both) and the other one, for a deliberately mismatched fake install.
 HERE = env.active_set()

@@ -23,8 +23,6 @@ from accelerate.commands import launch  # noqa: E402
 from accelerate.utils import patch_environment  # noqa: E402
 from conftest import run_python  # noqa: E402
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "12_accelerate_and_fsdp_v2.ipynb"
 #: Variables that make notebook_launcher take its Colab/Kaggle TPU branch (launchers.py).

@@ -15,8 +15,6 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from conftest import run_python, run_script  # noqa: E402
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "12_accelerate_and_fsdp_v2.ipynb"
 SPMD = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 

@@ -29,8 +29,6 @@ from course.hf import (  # noqa: E402
     token_loss,
 )
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 MAX_LEN, B = 32, 4
 
 

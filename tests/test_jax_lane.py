@@ -23,7 +23,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "scripts" / "jax_lane"))
 from jax_lane import verdict, without_jax  # noqa: E402
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
+pytestmark = pytest.mark.one_line  # in the main lines: the pure rule only (once); the lane runs all
 
 IN_LANE = os.environ.get("JAX_LANE") == "1"
 

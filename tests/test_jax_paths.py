@@ -28,8 +28,6 @@ import os
 import pytest
 from conftest import run_python
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 if importlib.util.find_spec("jax") is None:
     if os.environ.get("JAX_LANE") == "1":
         raise RuntimeError("the jax lane runs without jax: is .jax-overlay on PYTHONPATH?")

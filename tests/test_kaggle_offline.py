@@ -29,7 +29,7 @@ from conftest import venv_without_us
 
 from course import setup
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
+pytestmark = pytest.mark.one_line  # pip and the setup cell only; no torch_xla API
 
 REPO = Path(__file__).resolve().parent.parent
 #: Notebook packages the test venv lacks, so the setup must take them from the folder.

@@ -15,8 +15,6 @@ from conftest import REPO, run_script
 
 from tpu_helpers.launch import launch
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 FAILURES = r"""
 import ctypes, json, sys
 from concurrent.futures.process import BrokenProcessPool

@@ -41,8 +41,6 @@ from tpu_helpers.tpu_lightning import (
     trainer_kwargs,
 )
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 V5E_8 = Runtime(platform="kaggle", tpu_generation="v5e", chips=8, layout=layout_for("v5e", 8))
 

@@ -33,8 +33,6 @@ import time
 import pytest
 from conftest import REPO, run_script
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 WORLD = 8
 NOTEBOOK = REPO / "notebooks" / "06_lightning_on_tpu.ipynb"
 KNOBS = ("MAX_EPOCHS", "STEPS_PER_EPOCH", "GLOBAL_BATCH", "EVAL_BATCH", "PREDICT_BATCH", "LR",

@@ -34,8 +34,6 @@ from tpu_helpers.tpu_lightning import (
     read_predictions,
 )
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 ROW = 3
 
 

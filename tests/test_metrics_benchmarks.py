@@ -16,8 +16,6 @@ if str(REPO) not in sys.path:  # `pytest` (unlike `python -m pytest`) does not a
 
 from benchmarks import bench_training, run_all  # noqa: E402
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 
 def _row(key: str, rate: float, compiles_after: int = 0) -> dict:
     warm = [{"steps": 10, "seconds": 10 / r, "cpu_seconds": 0.1, "n_compiles": 0,

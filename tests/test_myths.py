@@ -22,8 +22,6 @@ import pytest
 from conftest import REPO
 from torch.utils.data import DistributedSampler
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 
 def test_xmp_spawn_refuses_nprocs_8():
     import torch_xla.distributed.xla_multiprocessing as xmp

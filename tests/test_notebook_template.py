@@ -24,6 +24,8 @@ COURSE = ["00_environment", "01_dataset_setup", "02_parallel_loader", "03_multic
           "09_transformers_variable_length", "10_bigger_than_one_chip",
           "11_hugging_face_on_tpu", "12_accelerate_and_fsdp_v2"]
 
+pytestmark = pytest.mark.one_line  # the notebooks' format, budget and stderr checks
+
 
 def test_there_are_notebooks():
     assert NOTEBOOKS, "no notebooks found"

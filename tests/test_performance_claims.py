@@ -32,8 +32,6 @@ from conftest import REPO, run_python
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 STEPS = 4              # measured steps per pitfall after 2 warm-up steps (the notebook's CI value)
 RECOMPILING_STEPS = 3  # for the pitfalls that compile at every step
 PER_REPLICA_BATCH = 32

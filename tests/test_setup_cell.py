@@ -21,6 +21,8 @@ import notebook_template as tpl  # scripts/, on the path via conftest
 import pytest
 from conftest import venv_without_us
 
+pytestmark = pytest.mark.one_line  # pip-installs this package with --no-deps: no torch_xla API
+
 REPO = Path(__file__).resolve().parent.parent
 
 #: Runs the setup cell ``argv[2]`` times in one IPython shell, counting `%pip` runs; prints a

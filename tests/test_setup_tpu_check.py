@@ -20,8 +20,6 @@ from test_env import fake_dists
 from course import setup
 from tpu_helpers.env import active_set
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 HERE = active_set()
 #: A stand-in for libtpu.so: GetPjrtApi returns a PJRT_Api of another major version, or hangs.
 FAKE_LIBTPU = r"""

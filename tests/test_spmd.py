@@ -17,8 +17,6 @@ from conftest import run_python
 
 from tpu_helpers.spmd import _first_gap, mesh_shapes, resolve_mesh_shape, shard_placements
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 # --------------------------------------------------------------------------- pure
 
 

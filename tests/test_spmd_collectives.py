@@ -12,10 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
 from conftest import run_python
-
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
 
 STEP = """
 import json, sys

@@ -25,8 +25,6 @@ import sys
 import pytest
 from conftest import REPO
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 WORKER = r"""
 import json, os, sys
 from pathlib import Path

@@ -34,8 +34,6 @@ from course.text import (
     fsdp_step_collectives,
 )
 
-pytestmark = pytest.mark.both_lines  # tests/test_lines.py
-
 
 def _model(cls=TinyGPT, **kwargs):
     torch.manual_seed(0)

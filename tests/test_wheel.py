@@ -13,6 +13,8 @@ import zipfile
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.one_line  # packaging: the wheel carries no torch or torch_xla
+
 USE = """
 import json, pathlib, sys
 import tpu_helpers, tpu_helpers.checkpoint, tpu_helpers.predict, tpu_helpers.train
