@@ -127,19 +127,9 @@ def venv_without_us(root: Path, hide=lambda name: False) -> Path:
     return python
 
 
-def _weight(item: pytest.Item) -> float:
-    """A rough cost in seconds: a notebook about 35, a test marked slow about 25, others 1."""
-    if item.path.suffix == ".ipynb":
-        return 35.0
-    return 25.0 if item.get_closest_marker("slow") else 1.0
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark ``both_lines`` the tests whose code touches what the torch_xla line can change
-    (``tests/lines.py``; not those marked ``one_line``), and order the files costliest first,
-    keeping each file's tests together and in order: with ``--dist loadfile
-    --no-loadscope-reorder`` (the Makefile) the two workers take the long files first and end on
-    short ones, instead of the last long file running alone."""
+    (``tests/lines.py``; not those marked ``one_line``): `make test` runs those on 2.8 too."""
     import lines
 
     for item in items:
@@ -147,8 +137,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 and item.path.parent == REPO / "tests" and not item.get_closest_marker("one_line")
                 and getattr(item, "originalname", item.name) in lines.both_lines(item.path)):
             item.add_marker(pytest.mark.both_lines)
-    cost: dict[Path, float] = {}
-    for item in items:
-        cost[item.path] = cost.get(item.path, 0.0) + _weight(item)
-    first = {path: i for i, path in reversed(list(enumerate(item.path for item in items)))}
-    items.sort(key=lambda item: (-cost[item.path], first[item.path]))

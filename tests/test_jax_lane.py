@@ -96,7 +96,6 @@ def pytest_on(folder: Path, env: dict, *args: str) -> tuple[dict[str, str], str]
     return outcomes, log
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not IN_LANE, reason="runs in the jax lane only (make test-jax): needs its "
                                         "overlay on PYTHONPATH")
 def test_the_lane_fails_a_notebook_that_only_passes_without_jax(tmp_path):
