@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-pytestmark = pytest.mark.both_lines  # the Kaggle platform run (2.8) emulates with it too
-
 LANE = REPO / "scripts" / "tpu_numerics"
 SITE = REPO / "scripts" / "lanes"  # the lanes' sitecustomize
 
