@@ -74,6 +74,15 @@ def without_jax(records: list[dict]) -> str | None:
     return None
 
 
+#: What jax's backend start writes into os.environ (jax/_src/cloud_tpu_init.py, jax 0.7.2). A test
+#: of the lane that runs jax in the pytest worker leaves them there, and a notebook's kernel would
+#: inherit them: each notebook starts without those the worker did not have at its start.
+JAX_ENV = ("TPU_SKIP_MDS_QUERY", "GRPC_VERBOSITY", "TPU_ML_PLATFORM", "TPU_ML_PLATFORM_VERSION",
+           "ENABLE_RUNTIME_UPTIME_TELEMETRY", "LIBTPU_INIT_ARGS",
+           "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES")
+_START_ENV = {k: os.environ.get(k) for k in JAX_ENV}
+
+
 def _without(name: str) -> bool:
     return name in os.environ.get("JAX_LANE_WITHOUT", "").split()
 
@@ -128,8 +137,13 @@ def pytest_runtest_call(item: pytest.Item):
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     without = _without(item.path.stem)
-    saved = {k: os.environ.get(k) for k in ("JAX_LANE_DIR", "PYTHONPATH")}
+    saved = {k: os.environ.get(k) for k in ("JAX_LANE_DIR", "PYTHONPATH", *JAX_ENV)}
     os.environ["JAX_LANE_DIR"] = str(folder)  # the kernel nbmake starts inherits it
+    for key, value in _START_ENV.items():  # not what jax, run by a test here, left behind
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     if without:
         os.environ["PYTHONPATH"] = _path_without_jax()
     try:
