@@ -82,7 +82,11 @@ lint: $(STAMP)
 #  3./4. the platform runs, 2.9 then 2.8, every notebook as Colab and Kaggle ship torch_xla:
 #     with jax importable (both ship jax 0.7.2) and a TPU's matmul numerics emulated (the jax
 #     lane and the TPU-numerics lane at once; one run does both, so no notebook runs twice for
-#     them), plus the tests of the jax paths and of the lanes. See the two lanes below.
+#     them), plus the tests of the jax paths and of the lanes. See the two lanes below. The 2.8
+#     line has no plain notebook run any more: each notebook runs on 2.8 once, here, as Kaggle
+#     ships it. Given up for that: the notebooks on 2.8 without jax and with exact float32 (a
+#     configuration no platform has; `make lab` is 2.9), and the 90 s budget on 2.8 (2.9
+#     enforces it; here it is relaxed to 300 s, as the emulation costs time).
 # `make test-2.8` (or test-2.9) alone runs everything on that line, plainly.
 test: lint test-2.9 test-2.8 test-platforms
 	@echo "make test: passed on torch_xla 2.9 (all), 2.8 (both_lines tests), and both platform runs"
