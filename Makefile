@@ -126,8 +126,9 @@ test-one: $(STAMP)
 # TPU_ACCELERATOR_TYPE and Lightning's XLAAccelerator.is_available raises TypeError: so the
 # Lightning notebook (JAX_WITHOUT) runs with the overlay taken off its kernel's path, and the
 # plugin checks that none of its processes had jax. Its numerics are still emulated.
-# Time is not what the lanes check: the emulation costs time, so the per-notebook budget is
-# relaxed there (the 2.9 line enforces it).
+# Time is not what the lanes check: the emulation costs time, so the per-notebook budget and the
+# per-cell timeout are relaxed there to 300 s (the 2.9 line enforces the budget). Measured on a
+# loaded machine (load 4-10), notebook 09's three-run cell took over 120 s under the emulation.
 JAX_OVERLAY := $(CURDIR)/.jax-overlay
 LANES_DIR := $(CURDIR)/outputs/lanes
 JAX_WITHOUT := 06_lightning_on_tpu
@@ -157,6 +158,7 @@ test-jax:
 	$(MAKE) --no-print-directory XLA=2.8 LANES=jax LANE_ITEMS="$(JAX_TESTS) $(JAX_NOTEBOOKS)" test-lanes-one
 
 LANES ?= jax numerics
+LANE_BUDGET ?= 300
 LANE_ITEMS ?= $(PLATFORM_TESTS) notebooks
 LANE_OUT = $(LANES_DIR)/$(XLA)-$(subst $() ,-,$(LANES))
 JAX_ON = $(filter jax,$(LANES))
@@ -166,11 +168,11 @@ test-lanes-one: $(STAMP) $(if $(filter jax,$(LANES)),$(JAX_OVERLAY)/.installed)
 	$(if $(JAX_ON),$(BIN)/python scripts/jax_lane/check_overlay.py $(JAX_OVERLAY) $(VENV))
 	rm -rf $(LANE_OUT)
 	$(if $(JAX_ON),JAX_LANE=1 JAX_LANE_DIR=$(LANE_OUT)/jax JAX_LANE_WITHOUT="$(JAX_WITHOUT)") \
-	$(if $(NUM_ON),TPU_NUMERICS_DIR=$(LANE_OUT)/numerics) TPU_NB_BUDGET=300 \
+	$(if $(NUM_ON),TPU_NUMERICS_DIR=$(LANE_OUT)/numerics) TPU_NB_BUDGET=$(LANE_BUDGET) \
 	PYTHONPATH=$(subst $() ,:,$(strip $(CURDIR)/scripts/lanes $(if $(JAX_ON),$(CURDIR)/scripts/jax_lane) \
 	  $(if $(NUM_ON),$(CURDIR)/scripts/tpu_numerics) $(if $(JAX_ON),$(JAX_OVERLAY))))$${PYTHONPATH:+:$$PYTHONPATH} \
 	$(BIN)/python -m pytest $(XDIST) $(if $(JAX_ON),-p jax_lane) $(if $(NUM_ON),-p tpu_numerics_lane) \
-	  $(LANE_ITEMS) --nbmake --nbmake-timeout=$(NB_TIMEOUT) -p no:cacheprovider --durations=15
+	  $(LANE_ITEMS) --nbmake --nbmake-timeout=$(LANE_BUDGET) -p no:cacheprovider --durations=15
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests -p no:cacheprovider
