@@ -125,3 +125,15 @@ def venv_without_us(root: Path, hide=lambda name: False) -> Path:
                            "['purelib'])"], capture_output=True, text=True, check=True).stdout
     (Path(site.strip()) / "this_venvs_packages.pth").write_text(f"{links}\n")
     return python
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``both_lines`` the tests whose code touches what the torch_xla line can change
+    (``tests/lines.py``; not those marked ``one_line``): `make test` runs those on 2.8 too."""
+    import lines
+
+    for item in items:
+        if (item.path.name.startswith("test_") and item.path.suffix == ".py"
+                and item.path.parent == REPO / "tests" and not item.get_closest_marker("one_line")
+                and getattr(item, "originalname", item.name) in lines.both_lines(item.path)):
+            item.add_marker(pytest.mark.both_lines)

@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts" / "jax_lane"))
-from jax_lane import verdict  # noqa: E402
+from jax_lane import verdict, without_jax  # noqa: E402
 
 pytestmark = pytest.mark.one_line  # in the main lines: the pure rule only (once); the lane runs all
 
@@ -40,6 +40,9 @@ def test_the_proof_rule_needs_the_kernel_and_jax_in_every_process():
     assert ("jax was not importable in 1 process(es): pid 2 python -c work"
             in verdict([KERNEL, lost]))
     assert "jax was not importable" in verdict([{**KERNEL, "jax_origin": None}])
+    # a notebook the lane runs without jax (JAX_LANE_WITHOUT: Lightning's) must not have had it
+    assert without_jax([{**KERNEL, "jax_origin": None}, {**lost}]) is None
+    assert "jax was importable in 1 process(es)" in without_jax([KERNEL, lost])
 
 
 SAVE = """import tempfile
@@ -59,7 +62,7 @@ dist_cp.save({"w": w}, storage_writer=WRITER, planner=SPMDSavePlanner(), no_dist
 print("saved")"""
 
 CHILD = """import os, subprocess, sys
-lane = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p.endswith("jax_lane")]
+lane = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p.endswith(("jax_lane", "lanes"))]
 env = {**os.environ, "PYTHONPATH": os.pathsep.join(lane)}  # the overlay dropped
 subprocess.run([sys.executable, "-c", "print('child')"], env=env, check=True)"""
 

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-pytestmark = pytest.mark.one_line  # the lane runs on the 2.9 line only (Makefile test-tpu-numerics)
-
 LANE = REPO / "scripts" / "tpu_numerics"
+SITE = REPO / "scripts" / "lanes"  # the lanes' sitecustomize
 
 
 def emulated(code: str, folder: Path, *, on: bool = True, extra_path: str = "",
@@ -25,7 +24,7 @@ def emulated(code: str, folder: Path, *, on: bool = True, extra_path: str = "",
     """Run ``code`` as a script in ``folder`` in a fresh Python with the lane's environment."""
     script = folder / "probe.py"
     script.write_text(textwrap.dedent(code))
-    path = os.pathsep.join(p for p in (str(REPO), str(LANE), extra_path) if p)
+    path = os.pathsep.join(p for p in (str(REPO), str(SITE), str(LANE), extra_path) if p)
     env = {**os.environ, "PYTHONPATH": path, "TPU_NUMERICS": "1" if on else "0",
            "TPU_NUMERICS_DIR": str(folder / "proof"), "PJRT_DEVICE": "CPU"}
     proc = subprocess.run([sys.executable, str(script)], cwd=folder, env=env,

@@ -8,7 +8,7 @@ SPMD, scan, attention or sharding plus the tests of the jax code paths.
 At start the plugin imports jax in a fresh process of the same environment (a jax that is on the
 path but does not import fails the lane there) and checks the venv's own numpy is the one used.
 Each notebook runs in a kernel that nbmake starts; the kernel and every process it starts write
-proof files (``scripts/jax_lane/sitecustomize.py``) into ``$JAX_LANE_DIR/<notebook>/``. After
+proof files (``scripts/lanes/sitecustomize.py``) into ``$JAX_LANE_DIR/<notebook>/``. After
 the notebook ran, the test fails unless its kernel process found jax on its path, and if any of
 its processes did not: a lane whose overlay silently dropped out would otherwise pass without
 jax. The terminal summary lists, per notebook, the processes and which took the jax path.
@@ -17,7 +17,10 @@ The lane's own artifact (not a platform's): on a host without TPU chips jax's ba
 ``TPU_SKIP_MDS_QUERY=1`` (``jax/_src/cloud_tpu_init.py``, jax 0.7.2), so torch_xla's
 ``_internal/tpu.py`` ``version()`` then reads ``TPU_ACCELERATOR_TYPE`` (unset: ``TypeError``),
 which Lightning 2.6's ``XLAAccelerator.is_available`` does not catch. A TPU host has chips, so
-jax leaves the variable alone there. No notebook of this lane uses Lightning.
+jax leaves the variable alone there. So a notebook that uses Lightning runs WITHOUT jax in this
+lane: ``JAX_LANE_WITHOUT`` names such notebooks (stems, separated by spaces); their kernel starts
+with the overlay (every ``PYTHONPATH`` entry holding a ``jax`` package) taken off its path, and
+the test fails if any of their processes could import jax after all.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ print(json.dumps({"jax": jax.__version__, "sum": float(jax.numpy.ones(2).sum()),
 def _base() -> Path:
     base = os.environ.get("JAX_LANE_DIR")
     if os.environ.get("JAX_LANE") != "1" or not base:
-        raise pytest.UsageError("the jax lane needs JAX_LANE=1 and JAX_LANE_DIR (and "
-                                "scripts/jax_lane plus the jax overlay on PYTHONPATH)")
+        raise pytest.UsageError("the jax lane needs JAX_LANE=1 and JAX_LANE_DIR (and scripts/"
+                                "lanes, scripts/jax_lane and the jax overlay on PYTHONPATH)")
     return Path(base)
 
 
@@ -62,12 +65,39 @@ def is_kernel(record: dict) -> bool:
     return any("ipykernel" in str(a) for a in record.get("argv", []))
 
 
+def without_jax(records: list[dict]) -> str | None:
+    """Why a notebook run without jax did have it (None: none of its processes could import it)."""
+    found = [r for r in records if r.get("jax_origin")]
+    if found:
+        return (f"jax was importable in {len(found)} process(es) of a notebook run without it: "
+                f"{found[0]['jax_origin']}")
+    return None
+
+
+#: What jax's backend start writes into os.environ (jax/_src/cloud_tpu_init.py, jax 0.7.2). A test
+#: of the lane that runs jax in the pytest worker leaves them there, and a notebook's kernel would
+#: inherit them: each notebook starts without those the worker did not have at its start.
+JAX_ENV = ("TPU_SKIP_MDS_QUERY", "GRPC_VERBOSITY", "TPU_ML_PLATFORM", "TPU_ML_PLATFORM_VERSION",
+           "ENABLE_RUNTIME_UPTIME_TELEMETRY", "LIBTPU_INIT_ARGS",
+           "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES")
+_START_ENV = {k: os.environ.get(k) for k in JAX_ENV}
+
+
+def _without(name: str) -> bool:
+    return name in os.environ.get("JAX_LANE_WITHOUT", "").split()
+
+
+def _path_without_jax() -> str:
+    return os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                           if p and not os.path.isdir(os.path.join(p, "jax")))
+
+
 def verdict(records: list[dict]) -> str | None:
     """Why a notebook's processes do not prove jax was importable (None: they do)."""
     kernels = [r for r in records if is_kernel(r)]
     if not kernels:
         return (f"no proof file from the notebook's kernel ({len(records)} other process(es)): "
-                "was scripts/jax_lane on the kernel's PYTHONPATH?")
+                "was scripts/lanes on the kernel's PYTHONPATH?")
     missing = [r for r in records if not r.get("jax_origin")]
     if missing:
         who = ", ".join(f"pid {r['pid']} {' '.join(map(str, r['argv']))[:80]}" for r in missing)
@@ -106,12 +136,25 @@ def pytest_runtest_call(item: pytest.Item):
     folder = base / item.path.stem
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
+    without = _without(item.path.stem)
+    saved = {k: os.environ.get(k) for k in ("JAX_LANE_DIR", "PYTHONPATH", *JAX_ENV)}
     os.environ["JAX_LANE_DIR"] = str(folder)  # the kernel nbmake starts inherits it
+    for key, value in _START_ENV.items():  # not what jax, run by a test here, left behind
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if without:
+        os.environ["PYTHONPATH"] = _path_without_jax()
     try:
         result = yield
     finally:
-        os.environ["JAX_LANE_DIR"] = str(base)
-    why = verdict(proofs(folder))
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    why = (without_jax if without else verdict)(proofs(folder))
     if why:
         pytest.fail(f"{item.path.name}: the jax lane did not run with jax: {why}", pytrace=False)
     return result
@@ -130,6 +173,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
         backends = sorted({r["privateuse1"] for r in records if r.get("privateuse1")})
         failed = sorted({f"{m} ({why[:60]})" for r in records
                          for m, why in r.get("failed", {}).items()})
+        if _without(folder.name):
+            terminalreporter.write_line(f"{folder.name}: {len(records)} process(es), run without "
+                                        f"jax (JAX_LANE_WITHOUT), jax on the path in {found}")
+            continue
         terminalreporter.write_line(
             f"{folder.name}: {len(records)} process(es), jax on the path in {found}; imported "
             f"jax in {took['jax']}, torchax in {took['torchax']}, flax in {took['flax']}; "
