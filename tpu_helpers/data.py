@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
 
 class DataError(ValueError):
@@ -311,7 +311,10 @@ def _collate_eval(batch: list[tuple]) -> Any:
 
 
 def _collate_train(batch: list) -> Any:
-    """Items checked against the first; ``batch.indices`` (:class:`_IndexedItems`)."""
+    """Items checked against the first; ``batch.indices`` (:class:`_IndexedItems`). A
+    :class:`_Gathered` batch is already collated (one shape and dtype per field)."""
+    if isinstance(batch, _Gathered):
+        return list(batch)
     indices = getattr(batch, "indices", None)
     return _checked_collate(batch, batch, 0,
                             lambda i: indices[i] if indices else f"? (batch row {i})")
@@ -323,11 +326,29 @@ class _Batch(list):
     indices: list[int]
 
 
+class _Gathered(list):
+    """A batch's fields, each gathered whole from an in-memory dataset: already collated."""
+
+
+def _whole_arrays(dataset: Dataset) -> tuple[Any, ...] | None:
+    """The whole-dataset arrays of an :class:`ArrayDataset` or ``TensorDataset`` whose items
+    are rows of them (a subclass overriding the item methods: None, fetched per item)."""
+    for cls, fields in ((ArrayDataset, ("images", "labels")), (TensorDataset, None)):
+        kind = type(dataset)
+        if (isinstance(dataset, cls) and kind.__getitem__ is cls.__getitem__
+                and getattr(kind, "__getitems__", None) is getattr(cls, "__getitems__", None)):
+            return dataset.tensors if fields is None else tuple(getattr(dataset, f) for f in fields)
+    return None
+
+
 class _IndexedItems(Dataset):
-    """Fetches a batch as a :class:`_Batch` (the train collate names an odd item's index)."""
+    """Fetches a batch as a :class:`_Batch` (the train collate names an odd item's index),
+    or, from in-memory arrays, as a :class:`_Gathered` batch: one gather per field, equal to
+    collating the items (no per-item fetch, no per-item check: the rows share one layout)."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
+        self.arrays = _whole_arrays(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -335,7 +356,11 @@ class _IndexedItems(Dataset):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
-    def __getitems__(self, indices: list[int]) -> _Batch:
+    def __getitems__(self, indices: list[int]) -> _Batch | _Gathered:
+        if self.arrays is not None:
+            rows = np.asarray(indices, dtype=np.int64)
+            return _Gathered(torch.from_numpy(a[rows]) if isinstance(a, np.ndarray)
+                             else a[torch.from_numpy(rows)].contiguous() for a in self.arrays)
         getitems = getattr(self.dataset, "__getitems__", None)
         batch = _Batch(getitems(indices) if getitems else [self.dataset[i] for i in indices])
         batch.indices = [int(i) for i in indices]
