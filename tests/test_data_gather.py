@@ -104,3 +104,23 @@ def test_own_items_still_checked_per_item():
     loader = D.make_train_loader(Odd(x, y), 40, world_size=1, rank=0)
     with pytest.raises(D.DataError, match="dataset index 9: x has shape"):
         next(iter(loader))
+
+
+def test_a_subclass_overriding_getitem_only_is_not_skipped():
+    """An ArrayDataset subclass that augments in __getitem__ alone gets its items, in a plain
+    DataLoader (which prefers the inherited __getitems__) and in the toolkit's loader."""
+
+    class Flipped(D.ArrayDataset):
+        def __getitem__(self, index):
+            x, y = super().__getitem__(index)
+            return -x, y
+
+    x, y = _arrays(40, np.float32)
+    data = Flipped(x, y)
+    plain = next(iter(torch.utils.data.DataLoader(data, batch_size=8)))
+    ours = next(iter(D.make_train_loader(data, 40, world_size=1, rank=0)))
+    assert torch.equal(plain[0], -torch.from_numpy(x[:8]))
+    assert any(torch.equal(ours[0][i], -torch.from_numpy(x[j]))
+               for i in range(len(ours[0])) for j in range(len(x)))
+    assert not any(torch.equal(ours[0][i], torch.from_numpy(x[j]))
+                   for i in range(len(ours[0])) for j in range(len(x)))

@@ -110,7 +110,10 @@ class ArrayDataset(Dataset):
         return torch.from_numpy(self.images[index]), torch.tensor(self.labels[index])
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A whole batch with one numpy gather (the DataLoader uses it when present)."""
+        """A whole batch with one numpy gather (the DataLoader uses it when present); a
+        subclass that overrides ``__getitem__`` (augmentation) is fetched item by item."""
+        if type(self).__getitem__ is not ArrayDataset.__getitem__:
+            return [self[i] for i in indices]
         rows = np.asarray(indices, dtype=np.int64)
         x, y = torch.from_numpy(self.images[rows]), torch.from_numpy(self.labels[rows])
         return list(zip(x.unbind(0), y.unbind(0), strict=True))
