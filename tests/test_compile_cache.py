@@ -40,10 +40,9 @@ def _cache_run(folder) -> tuple[dict[str, int], str]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
-def test_a_second_process_fails_to_load_the_cache_and_compiles_again(tmp_path):
-    folder = tmp_path / "xla-cache"
-    first, first_err = _cache_run(folder)
-    written = sorted(p.name for p in folder.iterdir())
+def test_a_second_process_fails_to_load_the_cache_and_compiles_again(first_run):
+    folder, first_proc, written = first_run
+    first, first_err = json.loads(first_proc.stdout.strip().splitlines()[-2]), first_proc.stderr
     second, second_err = _cache_run(folder)
     assert first.get("PersistentCacheMiss", 0) >= 1 and written, (first, written)
     assert second.get("PersistentCacheDeserializeFailure", 0) >= 1, second
@@ -149,7 +148,7 @@ def test_compile_cache_dir_alone_matches_the_env_module(environ, tmp_path):
 
 
 FIRST_COMPUTATION = """
-import sys, warnings
+import json, sys, warnings
 from pathlib import Path
 from course.compile_cache import cache_counters, compile_cache_dir, enable_compile_cache
 loc = compile_cache_dir(environ={"XDG_CACHE_HOME": "/xdg"})
@@ -160,18 +159,32 @@ folder = enable_compile_cache(sys.argv[1])  # before the first computation of th
 import torch, torch_xla
 x = (torch.arange(4.0, device=torch_xla.device()) * 3).sum()
 assert x.item() == 18.0 and folder == Path(sys.argv[1]) and any(folder.iterdir())
+import torch_xla.debug.metrics as met
+w = torch.ones(16, 16, device=torch_xla.device())  # CACHE_RUN's graph: the second run's miss
+assert (w @ w).sum().item() == 16 ** 3
+first = {**cache_counters(), "compiles": met.metric_data("CompileTime")[0]}
 assert all(k.startswith("PersistentCache") for k in cache_counters()), cache_counters()
 with warnings.catch_warnings(record=True) as caught:  # too late now: a warning, never an error
     warnings.simplefilter("always")
     assert enable_compile_cache(sys.argv[1] + "-again") is None
 assert "already compiled" in str(caught[0].message)
+print(json.dumps(first))
 print("ok")
 """
 
 
-def test_the_cache_is_on_before_the_first_computation_and_written(tmp_path):
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """The first process of both tests below: FIRST_COMPUTATION into a fresh cache folder; the
+    folder, the process and the files it wrote (before any second process runs)."""
+    folder = tmp_path_factory.mktemp("cache") / "xla-cache"
+    code = FIRST_COMPUTATION.replace("sys.argv[1]", repr(str(folder)))
+    proc = run_python(code, env={"PJRT_DEVICE": "CPU", "PT_XLA_DEBUG_LEVEL": "0"})
+    return folder, proc, sorted(p.name for p in folder.iterdir())
+
+
+def test_the_cache_is_on_before_the_first_computation_and_written(first_run):
     """Choosing the folder imports no torch_xla; enabled before the first computation the
     cache gets the compiled graphs; too late is a warning, never an error."""
-    code = FIRST_COMPUTATION.replace("sys.argv[1]", repr(str(tmp_path / "cache")))
-    proc = run_python(code, env={"PJRT_DEVICE": "CPU", "PT_XLA_DEBUG_LEVEL": "0"})
+    _, proc, _ = first_run
     assert proc.stdout.strip().splitlines()[-1] == "ok"

@@ -169,26 +169,63 @@ def test_counter_in_forked_spawned_and_launched_replicas(tmp_path):
     assert all(proof.get(pid, 0) >= 1 for pid in replicas), (proof, replicas)  # and visible
 
 
-def test_off_without_the_variable_and_another_sitecustomize_still_runs(tmp_path):
-    other = tmp_path / "other"
-    other.mkdir()
+#: One fresh Python per mode (lane on / off) answers three questions, each on its own line:
+#: is another sitecustomize still chained, what tolerance the course picks, and does scan_layers
+#: run. Each test reads its own line; a crash in scan_layers fails only the scan test.
+PROBES = """
+import builtins, json, sys, torch_xla
+print("CHAINED" + json.dumps([getattr(builtins, 'CHAINED', False), 'tpu_numerics' in sys.modules]))
+from course.precision import FP32_TOLERANCE, TPU_TOLERANCE, cpu_tolerance, runtime
+print("TOLERANCE" + json.dumps([runtime(), cpu_tolerance()[0], TPU_TOLERANCE["default"],
+                                FP32_TOLERANCE]), flush=True)
+import torch
+from torch_xla.experimental.scan_layers import scan_layers
+torch.manual_seed(0)
+layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
+x = torch.randn(4, 16)
+ref = x
+for layer in layers:
+    ref = layer(ref)
+dev = torch_xla.device()
+y = scan_layers(layers.to(dev), x.to(dev)).cpu()
+print("SCAN" + json.dumps({"gap": (y - ref).abs().max().item()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The PROBES script with the lane on and off, beside another sitecustomize; not checked
+    here: each test checks the part it reads."""
+    other = tmp_path_factory.mktemp("other")
     (other / "sitecustomize.py").write_text("import builtins\nbuiltins.CHAINED = True\n")
-    code = ("import builtins, json, sys, torch_xla\n"
-            "chained = getattr(builtins, 'CHAINED', False)\n"
-            "print(json.dumps([chained, 'tpu_numerics' in sys.modules]))")
-    assert last_json(emulated(code, tmp_path, extra_path=str(other))) == [True, True]
-    assert last_json(emulated(code, tmp_path, on=False, extra_path=str(other))) == [True, False]
+    procs = {}
+    for name, on in (("on", True), ("off", False)):
+        folder = tmp_path_factory.mktemp(name)
+        (folder / "probe.py").write_text(PROBES)
+        path = os.pathsep.join((str(REPO), str(SITE), str(LANE), str(other)))
+        env = {**os.environ, "PYTHONPATH": path, "TPU_NUMERICS": "1" if on else "0",
+               "TPU_NUMERICS_DIR": str(folder / "proof"), "PJRT_DEVICE": "CPU"}
+        procs[name] = subprocess.run([sys.executable, "probe.py"], cwd=folder, env=env,
+                                     capture_output=True, text=True, timeout=300)
+    return procs
 
 
-def test_course_tolerance_treats_the_emulation_like_a_tpu(tmp_path):
-    code = """
-    import json
-    from course.precision import FP32_TOLERANCE, TPU_TOLERANCE, cpu_tolerance, runtime
-    print(json.dumps([runtime(), cpu_tolerance()[0], TPU_TOLERANCE["default"], FP32_TOLERANCE]))
-    """
-    name, tol, tpu, fp32 = last_json(emulated(code, tmp_path))
+def probe(proc: subprocess.CompletedProcess[str], tag: str):
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(tag)]
+    assert lines, (f"no {tag} line (exit {proc.returncode})", proc.stdout[-3000:],
+                   proc.stderr[-3000:])
+    return json.loads(lines[-1][len(tag):])
+
+
+def test_off_without_the_variable_and_another_sitecustomize_still_runs(probes):
+    assert probe(probes["on"], "CHAINED") == [True, True]
+    assert probe(probes["off"], "CHAINED") == [True, False]
+
+
+def test_course_tolerance_treats_the_emulation_like_a_tpu(probes):
+    name, tol, tpu, fp32 = probe(probes["on"], "TOLERANCE")
     assert (name, tol) == ("emulated TPU", tpu) and tpu > 100 * fp32
-    name, tol, _, _ = last_json(emulated(code, tmp_path, on=False))
+    name, tol, _, _ = probe(probes["off"], "TOLERANCE")
     assert (name, tol) == ("XLA:CPU", fp32)
 
 
@@ -249,29 +286,12 @@ def test_the_rounding_adds_no_recompile_under_spmd(tmp_path):
     assert last_json(emulated(RECOMPILE, tmp_path)) == off
 
 
-SCAN = """
-import json
-import torch, torch_xla
-from torch_xla.experimental.scan_layers import scan_layers
-torch.manual_seed(0)
-layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
-x = torch.randn(4, 16)
-ref = x
-for layer in layers:
-    ref = layer(ref)
-dev = torch_xla.device()
-y = scan_layers(layers.to(dev), x.to(dev)).cpu()
-print(json.dumps({"gap": (y - ref).abs().max().item()}))
-"""
-
-
-def test_scan_layers_runs_under_the_lane_and_its_layers_round(tmp_path):
+def test_scan_layers_runs_under_the_lane_and_its_layers_round(probes):
     """scan_layers traces its layer with AOTAutograd, which pops every dispatch mode for a
     while (preserve_rng_state) and traces on fake tensors of device xla. The lane's mode used
     to be freed while popped (a segfault) and asked fake tensors for their sharding."""
-    for name in ("on", "off"):
-        (tmp_path / name).mkdir()
-    on = last_json(emulated(SCAN, tmp_path / "on"))
-    off = last_json(emulated(SCAN, tmp_path / "off", on=False))
+    for proc in probes.values():
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    on, off = probe(probes["on"], "SCAN"), probe(probes["off"], "SCAN")
     print(on, off)
     assert off["gap"] < 1e-5 < on["gap"] < 0.1  # exact on XLA:CPU, bf16-rounded under the lane
