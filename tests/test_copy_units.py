@@ -11,6 +11,7 @@ unimportable (so a hidden import of anything else fails), on XLA:CPU. The script
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -66,3 +67,13 @@ def test_unit_works_copied_alone(script, tmp_path):
                                "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "ok"
+
+
+def test_the_readme_states_each_units_lines_and_the_total():
+    """The README's unit table and toolkit total are the files' line counts (wc -l)."""
+    readme = (REPO / "README.md").read_text()
+    lines = {p.name: len(p.read_text().splitlines()) for p in (REPO / "tpu_helpers").glob("*.py")}
+    rows = dict(re.findall(r"^\| `(\w+\.py)` \| (\d+) \|", readme, re.M))
+    assert rows and {name: lines[name] for name in rows} == {k: int(v) for k, v in rows.items()}
+    total = sum(n for name, n in lines.items() if not name.startswith("doctor"))
+    assert f"({total:,} lines in {len(lines) - 3}\nmodules and `__init__.py`" in readme
