@@ -1,22 +1,18 @@
-"""Text of any length without recompiling: length buckets.
+"""Text of any length without recompiling: length buckets (torch + numpy + stdlib only).
 
 Taught in notebook 09. Needs no sibling. A batch holds samples of one bucket padded to its
 length (``boundaries``, e.g. ``(64, 128, 256)``): at most one graph per bucket. Every replica
 gets the same bucket at each step. ``DataLoader(BucketDataset(samples, boundaries),
-batch_sampler=BucketSampler(...), collate_fn=collate)``. ``train.py``'s ``fit`` trains and
-evaluates such dict batches with :func:`dict_epoch` and :func:`dict_stats`.
+batch_sampler=BucketSampler(...), collate_fn=collate)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-import torch_xla
-import torch_xla.core.xla_model as xm
-from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 
@@ -223,34 +219,3 @@ def padding_share(lengths: Sequence[int], steps: Sequence[tuple[int, np.ndarray]
         slots += idx.size * bounds[b]
         real += int(lengths[idx[idx >= 0]].sum())
     return 1.0 - real / slots if slots else 0.0
-
-
-def dict_stats(model: nn.Module, batch: dict[str, torch.Tensor],
-               loss_fn: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dict batch's ``loss`` and ``[loss_sum, correct, count]``: ``loss_fn(model(tokens,
-    mask), batch)`` gives the mean loss over real rows (index >= 0; padding adds nothing) or
-    ``(loss, correct, count)``."""
-    out = loss_fn(model(batch["tokens"], batch["mask"]), batch)
-    rows = (batch["index"] >= 0).sum()
-    loss, correct, count = out if isinstance(out, tuple) else (out, torch.zeros_like(out), rows)
-    count = torch.as_tensor(count).to(loss.dtype)
-    return loss, torch.stack([loss.detach() * count, torch.as_tensor(correct).to(loss), count])
-
-
-def dict_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0, loss_fn=None,
-               totals=None, *, step_seed: Callable[[int, int, int], int]):
-    """``train.py``'s ``train_epoch`` over dict batches, with :func:`dict_stats`; ``step_seed``
-    is ``train.step_seed`` (the device RNG seed of each step: a resume draws the same masks)."""
-    totals = (torch.zeros(3) if totals is None else totals).to(torch_xla.device())
-    for batch in batches:
-        step += 1
-        xm.set_rng_state(step_seed(seed, step, rank))
-        optimizer.zero_grad(set_to_none=True)
-        loss, stats = dict_stats(model, batch, loss_fn)
-        loss.backward()
-        xm.optimizer_step(optimizer)
-        totals = totals + xm.all_reduce(xm.REDUCE_SUM, stats)
-        del loss, stats  # only the totals outlive a step: the last one is the same graph
-        if after_step(step, totals):
-            break
-    return totals

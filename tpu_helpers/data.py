@@ -182,31 +182,6 @@ def make_train_loader(dataset: Dataset, global_batch: int, *,
                                 num_workers=num_workers, collate_fn=_collate_train)
 
 
-#: ``fit``'s data: a ``Dataset`` of ``(x, y)`` items, ``(x, y, eval_x, eval_y)`` numpy arrays
-#: (eval ones may be None), or None (``config.data``, else fake data like upstream's).
-AnyData = Dataset | tuple | None
-
-
-def make_datasets(data: AnyData, eval_data: Dataset | None,
-                  config: Any) -> tuple[Dataset, Dataset | None]:
-    """``train.fit``'s training and evaluation ``Dataset``s, from datasets, arrays, ``.npz``
-    files (``config.data``, ``config.eval_data``) or fake data."""
-    if data is None and not config.data:  # 8x8 images, 10 noisy class patterns
-        g = np.random.default_rng(0)
-        y = g.integers(0, 10, 2560)
-        x = g.standard_normal((10, 1, 8, 8))[y] + g.standard_normal((2560, 1, 8, 8))
-        data = (x[:2048], y[:2048], x[2048:], y[2048:])
-    elif data is None:
-        data = (*load_npz(config.data), *(load_npz(config.eval_data) if config.eval_data
-                                          else (None, None)))
-    if isinstance(data, tuple):
-        x, y, ex, ey = data
-        data = ArrayDataset(np.asarray(x, np.float32), np.asarray(y, np.int64))
-        if ex is not None and eval_data is None:
-            eval_data = ArrayDataset(np.asarray(ex, np.float32), np.asarray(ey, np.int64))
-    return data, eval_data
-
-
 def make_loaders(train_set: Dataset, eval_set: Dataset | None, config: Any, world: int,
                  rank: int) -> tuple[DataLoader, DataLoader | None]:
     """``train.fit``'s loaders for this replica: :func:`make_train_loader` and

@@ -1,9 +1,10 @@
 """Multi-core training the way upstream writes it: one per-replica :func:`fit`, read top to bottom.
 
-Taught in notebook 03 (``#@save``: :func:`train_step`, :func:`step_seed`, :func:`train_epoch`).
-Copy it with ``buckets.py`` (dict batches), ``checkpoint.py``, ``data.py`` and ``launch.py``.
-:func:`train` runs :func:`fit` under ``launch`` or SPMD; :class:`Config` is also the script's flags
-(``python -m tpu_helpers.train --data train.npz --out-dir runs/a``). A resume continues bit for bit.
+Taught in notebook 03 (its ``#@save`` cells: :func:`train_step`, :func:`step_seed`,
+:func:`train_epoch`). Copy it with ``checkpoint.py``, ``data.py`` and ``launch.py``.
+:func:`train` runs :func:`fit` under ``launch`` or SPMD; :class:`Config` is also the script's
+flags (``python -m tpu_helpers.train --data train.npz --out-dir runs/a``; no ``--data``: fake
+data). A resume continues bit for bit. Dict batches (``buckets.py``) train ``model(tokens, mask)``.
 """
 
 from __future__ import annotations
@@ -36,15 +37,13 @@ from torch.utils.data import Dataset
 
 try:  # inside the tpu_helpers package
     from . import checkpoint
-    from .buckets import dict_epoch, dict_stats
-    from .data import AnyData, make_datasets, make_loaders
+    from .data import ArrayDataset, load_npz, make_loaders
     from .launch import launch
-except ImportError:  # copied next to buckets.py, checkpoint.py, data.py and launch.py
+except ImportError:  # copied next to checkpoint.py, data.py and launch.py
     import checkpoint  # type: ignore[no-redef]
-    from buckets import dict_epoch, dict_stats  # type: ignore[no-redef]
     from launch import launch  # type: ignore[no-redef]
 
-    from data import AnyData, make_datasets, make_loaders
+    from data import ArrayDataset, load_npz, make_loaders
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002
@@ -56,7 +55,8 @@ class Config:
     """Every option of a run; ``python -m tpu_helpers.train --help`` lists the same fields."""
 
     epochs: int = _opt(6, "epochs to train")
-    global_batch: int = _opt(64, "samples per step over ALL replicas (each: global_batch // world)")
+    global_batch: int = _opt(64, "samples per optimizer step over ALL replicas (each loads "
+                             "global_batch // world_size: its per-replica batch)")
     eval_global_batch: int = _opt(64, "evaluation samples per step over ALL replicas")
     lr: float = _opt(3e-3, "learning rate (the built-in optimizers; yours reads config.lr)")
     weight_decay: float = _opt(1e-2, "AdamW weight decay (built-in optimizer)")
@@ -76,9 +76,11 @@ class Config:
     storage: str = _opt("shared", "shared: one OUT_DIR, global ordinal 0 writes; local: each "
                         "host's disk, local ordinal 0 writes", choices=("shared", "local"))
     resume: bool = _opt(True, "continue from the newest checkpoint in OUT_DIR/checkpoints")
-    resume_new_settings: bool = _opt(False, "with other settings: its weights, a new epoch")
+    resume_new_settings: bool = _opt(False, "resume a checkpoint with other settings: its "
+                                     "weights and optimizer, its next epoch (default: refuse)")
     progress: bool = _opt(False, "print 'step k/n' every step and each logged loss")
-    compile_cache: str = _opt("", "XLA compile cache folder (2.8/2.9 never load it: issue 9094)")
+    compile_cache: str = _opt("", "XLA compile cache folder; 2.8/2.9 write it, never load it "
+                              "back (pytorch/xla issue 9094): no compile saved (default: off)")
     start_method: str = _opt("fork", "how launch starts replicas", choices=("fork", "spawn"))
 
     def __post_init__(self) -> None:
@@ -97,6 +99,30 @@ def Net(num_classes: int = 10, width: int = 16) -> nn.Module:  # noqa: N802 (a m
         nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, 2 * width, 3, padding=1),
         nn.ReLU(), nn.AdaptiveMaxPool2d(4), nn.Flatten(), nn.Dropout(0.25),
         nn.Linear(2 * width * 16, 64), nn.ReLU(), nn.Linear(64, num_classes))
+
+
+#: ``fit``'s data: a ``Dataset`` of ``(x, y)`` items, ``(x, y, eval_x, eval_y)`` numpy arrays
+#: (eval ones may be None), or None (``config.data``, else fake data like upstream's).
+AnyData = Dataset | tuple | None
+
+
+def _datasets(data: AnyData, eval_data: Dataset | None,
+              config: Config) -> tuple[Dataset, Dataset | None]:
+    """The training and evaluation ``Dataset``s, from datasets, arrays, ``.npz`` or fake data."""
+    if data is None and not config.data:  # 8x8 images, 10 noisy class patterns
+        g = np.random.default_rng(0)
+        y = g.integers(0, 10, 2560)
+        x = g.standard_normal((10, 1, 8, 8))[y] + g.standard_normal((2560, 1, 8, 8))
+        data = (x[:2048], y[:2048], x[2048:], y[2048:])
+    elif data is None:
+        data = (*load_npz(config.data), *(load_npz(config.eval_data) if config.eval_data
+                                          else (None, None)))
+    if isinstance(data, tuple):
+        x, y, ex, ey = data
+        data = ArrayDataset(np.asarray(x, np.float32), np.asarray(y, np.int64))
+        if ex is not None and eval_data is None:
+            eval_data = ArrayDataset(np.asarray(ex, np.float32), np.asarray(ey, np.int64))
+    return data, eval_data
 
 
 class TrainingDiverged(FloatingPointError):
@@ -119,6 +145,36 @@ def train_step(model, optimizer, x, y, loss_fn=F.cross_entropy):
 def step_seed(seed, step, rank=0):
     """Device RNG seed of ``step`` on ``rank``: a resumed run draws the same dropout masks."""
     return ((seed % 2**23) * 2**28 + step % 2**28) * 2**12 + rank % 2**12
+
+
+def dict_stats(model: nn.Module, batch: dict[str, torch.Tensor],
+               loss_fn: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dict batch's ``loss`` and ``[loss_sum, correct, count]``: ``loss_fn(model(tokens,
+    mask), batch)`` gives the mean loss over real rows (index >= 0; padding adds nothing) or
+    ``(loss, correct, count)``."""
+    out = loss_fn(model(batch["tokens"], batch["mask"]), batch)
+    rows = (batch["index"] >= 0).sum()
+    loss, correct, count = out if isinstance(out, tuple) else (out, torch.zeros_like(out), rows)
+    count = torch.as_tensor(count).to(loss.dtype)
+    return loss, torch.stack([loss.detach() * count, torch.as_tensor(correct).to(loss), count])
+
+
+def dict_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
+               loss_fn=F.cross_entropy, totals=None):
+    """:func:`train_epoch` over dict batches (length buckets), with :func:`dict_stats`."""
+    totals = (torch.zeros(3) if totals is None else totals).to(torch_xla.device())
+    for batch in batches:
+        step += 1
+        xm.set_rng_state(step_seed(seed, step, rank))
+        optimizer.zero_grad(set_to_none=True)
+        loss, stats = dict_stats(model, batch, loss_fn)
+        loss.backward()
+        xm.optimizer_step(optimizer)
+        totals = totals + xm.all_reduce(xm.REDUCE_SUM, stats)
+        del loss, stats  # only the totals outlive a step: the last one is the same graph
+        if after_step(step, totals):
+            break
+    return totals
 
 
 def train_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
@@ -162,7 +218,8 @@ def builtin_optimizer(params: Any, config: Config) -> torch.optim.Optimizer:
 
 
 def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] = Net, *,
-        eval_data: Dataset | None = None, loss_fn: Callable[..., Any] = F.cross_entropy,
+        eval_data: Dataset | None = None,
+        loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
         optimizer_fn: Callable[[Any, Config], torch.optim.Optimizer] = builtin_optimizer,
         scheduler_fn: Callable[[Any, Config], Any] | None = None,
         loaders_fn: Callable[..., tuple[Any, Any]] = make_loaders) -> dict[str, Any]:
@@ -176,11 +233,10 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
             xr.initialize_cache(str(Path(config.compile_cache) / f"replica-{rank}"))
         except Exception as exc:  # an optimisation, never a reason to stop
             warnings.warn(f"compile cache not enabled ({exc})", RuntimeWarning, stacklevel=2)
-    train_set, eval_set = make_datasets(data, eval_data, config)
+    train_set, eval_set = _datasets(data, eval_data, config)
     train_loader, eval_loader = loaders_fn(train_set, eval_set, config, world, rank)
-    dicts = isinstance(next(iter(train_loader), None), dict)  # length buckets (buckets.py)
-    epoch_fn = functools.partial(dict_epoch, step_seed=step_seed) if dicts else train_epoch
-    if config.spmd and dicts:
+    epoch_fn = dict_epoch if isinstance(next(iter(train_loader), None), dict) else train_epoch
+    if config.spmd and epoch_fn is dict_epoch:
         raise ValueError("dict (length-bucket) batches are not supported with spmd=True yet")
     torch.manual_seed(config.seed)
     model = model_fn().to(device)
@@ -198,8 +254,9 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
                 "train_samples": len(train_set), "steps_per_epoch": len(train_loader)}
     run = start(config, settings, model, optimizer, scheduler)  # settings: what a step means
     while run.epoch < config.epochs and run.step < run.last:
-        sampler = train_loader.batch_sampler  # length buckets' sampler, else DistributedSampler
-        (sampler if hasattr(sampler, "set_epoch") else train_loader.sampler).set_epoch(run.epoch)
+        sampler = getattr(train_loader.batch_sampler, "set_epoch", None) and \
+            train_loader.batch_sampler  # a length-bucket batch_sampler, else DistributedSampler
+        (sampler or train_loader.sampler).set_epoch(run.epoch)
         loader = pl.MpDeviceLoader(itertools.islice(train_loader, run.batch, None), device,
                                    input_sharding=sharding)
         started, compiles = time.perf_counter(), _compiles()
@@ -423,8 +480,8 @@ def train(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module
 
 def parser() -> argparse.ArgumentParser:
     """The command line, one flag per :class:`Config` field."""
-    p = argparse.ArgumentParser(description="Train on every TPU core (or XLA:CPU), resuming "
-                                "from OUT_DIR/checkpoints; run it on every worker of a pod.")
+    p = argparse.ArgumentParser(description="Train on every TPU core (or XLA:CPU); resumes "
+                                "from OUT_DIR/checkpoints. Run it on every worker of a pod.")
     for f in dataclasses.fields(Config):
         kind = ({"action": argparse.BooleanOptionalAction} if f.type == "bool" else
                 {"type": {"int": int, "float": float, "int | None": int}.get(f.type, str),
@@ -436,10 +493,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     h = train(Config(**vars(parser().parse_args(argv))))
-    acc = f", held-out accuracy {h['epochs'][-1]['eval_acc']:.4f}" if h["epochs"] else ""
-    resumed = f"; resumed from {', '.join(h['resumed_from'])}" if h["resumed_from"] else ""
-    print(f"done: {h['total_steps']} steps, world size {h['world_size']} on {h['devices']} "
-          f"device(s){acc}{resumed}; files in {h['config']['out_dir']}", flush=True)
+    done = f"done: {h['total_steps']} steps, world size {h['world_size']} on {h['devices']} "
+    if h["epochs"]:
+        done += f"device(s), held-out accuracy {h['epochs'][-1]['eval_acc']:.4f}"
+    if h["resumed_from"]:
+        done += f"; resumed from {', '.join(h['resumed_from'])}"
+    print(f"{done}; files in {h['config']['out_dir']}", flush=True)
     return 0
 
 

@@ -1,4 +1,4 @@
-# copies: train.py launch.py checkpoint.py data.py buckets.py
+# copies: train.py launch.py checkpoint.py data.py
 # The per-replica training on fake data for a few steps (torch_xla.launch, XLA:CPU), then the
 # same file as a script, resuming from the checkpoint the first run left.
 import json, subprocess, sys
