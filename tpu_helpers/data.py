@@ -114,8 +114,7 @@ class ArrayDataset(Dataset):
         subclass that overrides ``__getitem__`` (augmentation) is fetched item by item."""
         if type(self).__getitem__ is not ArrayDataset.__getitem__:
             return [self[i] for i in indices]
-        rows = np.asarray(indices, dtype=np.int64)
-        x, y = torch.from_numpy(self.images[rows]), torch.from_numpy(self.labels[rows])
+        x, y = _gather((self.images, self.labels), indices)
         return list(zip(x.unbind(0), y.unbind(0), strict=True))
 
 
@@ -333,6 +332,13 @@ class _Gathered(list):
     """A batch's fields, each gathered whole from an in-memory dataset: already collated."""
 
 
+def _gather(arrays: Sequence[Any], indices: list[int]) -> list[torch.Tensor]:
+    """Rows ``indices`` of each numpy array or tensor, as tensors: one index op per field."""
+    rows = np.asarray(indices, dtype=np.int64)
+    return [torch.from_numpy(a[rows]) if isinstance(a, np.ndarray)
+            else a[torch.from_numpy(rows)].contiguous() for a in arrays]
+
+
 def _whole_arrays(dataset: Dataset) -> tuple[Any, ...] | None:
     """The whole-dataset arrays of an :class:`ArrayDataset` or ``TensorDataset`` whose items
     are rows of them (a subclass overriding the item methods: None, fetched per item)."""
@@ -361,9 +367,7 @@ class _IndexedItems(Dataset):
 
     def __getitems__(self, indices: list[int]) -> _Batch | _Gathered:
         if self.arrays is not None:
-            rows = np.asarray(indices, dtype=np.int64)
-            return _Gathered(torch.from_numpy(a[rows]) if isinstance(a, np.ndarray)
-                             else a[torch.from_numpy(rows)].contiguous() for a in self.arrays)
+            return _Gathered(_gather(self.arrays, indices))
         getitems = getattr(self.dataset, "__getitems__", None)
         batch = _Batch(getitems(indices) if getitems else [self.dataset[i] for i in indices])
         batch.indices = [int(i) for i in indices]
