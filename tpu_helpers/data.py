@@ -192,6 +192,55 @@ def make_loaders(train_set: Dataset, eval_set: Dataset | None, config: Any, worl
         eval_set, config.eval_global_batch, world_size=world, rank=rank)
 
 
+#: ``train.fit``'s data: a ``Dataset`` of ``(x, y)`` items, ``(x, y, eval_x, eval_y)`` numpy
+#: arrays (eval ones may be None), or None (``config.data``, else fake data like upstream's).
+AnyData = Dataset | tuple | None
+
+
+def fit_datasets(data: AnyData, eval_data: Dataset | None,
+                 config: Any) -> tuple[Dataset, Dataset | None]:
+    """``train.fit``'s training and evaluation ``Dataset``s, from datasets, arrays, ``.npz``
+    (``config.data``, ``config.eval_data``) or fake data."""
+    if data is None and not config.data:  # 8x8 images, 10 noisy class patterns
+        g = np.random.default_rng(0)
+        y = g.integers(0, 10, 2560)
+        x = g.standard_normal((10, 1, 8, 8))[y] + g.standard_normal((2560, 1, 8, 8))
+        data = (x[:2048], y[:2048], x[2048:], y[2048:])
+    elif data is None:
+        data = (*load_npz(config.data), *(load_npz(config.eval_data) if config.eval_data
+                                          else (None, None)))
+    if isinstance(data, tuple):
+        x, y, ex, ey = data
+        data = ArrayDataset(np.asarray(x, np.float32), np.asarray(y, np.int64))
+        if ex is not None and eval_data is None:
+            eval_data = ArrayDataset(np.asarray(ex, np.float32), np.asarray(ey, np.int64))
+    return data, eval_data
+
+
+def fit_layout(config: Any) -> tuple[int, int, int]:
+    """``train.fit``'s (world_size, rank, devices) for ``config.spmd``, both GLOBAL batches
+    checked to split over the devices."""
+    import torch_xla.runtime as xr  # deferred: importing data.py imports no torch_xla
+
+    if config.spmd != xr.is_spmd():
+        raise RuntimeError("config.spmd=True needs xr.use_spmd() first" if config.spmd else
+                           "this process is in SPMD mode: pass config.spmd=True")
+    world, rank, devices = ((1, 0, xr.global_runtime_device_count()) if config.spmd else
+                            (xr.world_size(), xr.global_ordinal(), xr.world_size()))
+    for name in ("global_batch", "eval_global_batch"):
+        if getattr(config, name) % devices:
+            raise ValueError(f"{name}={getattr(config, name)} does not split evenly over "
+                             f"{devices} devices; use a multiple of {devices}")
+    return world, rank, devices
+
+
+def set_epoch(loader: DataLoader, epoch: int) -> None:
+    """A new shuffle for ``epoch`` (the same on every replica): the sampler's, or a length-bucket
+    ``batch_sampler``'s (``buckets.BucketSampler``) if it has ``set_epoch``."""
+    bucketed = hasattr(loader.batch_sampler, "set_epoch")
+    (loader.batch_sampler if bucketed else loader.sampler).set_epoch(epoch)
+
+
 def replica_eval_indices(n, per_replica_batch, world_size, rank):
     """The indices ``0..n-1`` padded with ``-1`` to whole steps, dealt round-robin."""
     per_step = per_replica_batch * world_size           # rows one step takes, all replicas

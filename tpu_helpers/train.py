@@ -1,10 +1,8 @@
 """Multi-core training the way upstream writes it: one per-replica :func:`fit`, read top to bottom.
 
-Taught in notebook 03 (its ``#@save`` cells: :func:`train_step`, :func:`step_seed`,
-:func:`train_epoch`). Copy it with ``checkpoint.py``, ``data.py`` and ``launch.py``.
-:func:`train` runs :func:`fit` under ``launch`` or SPMD; :class:`Config` is also the script's
-flags (``python -m tpu_helpers.train --data train.npz --out-dir runs/a``; no ``--data``: fake
-data). A resume continues bit for bit. Dict batches (``buckets.py``) train ``model(tokens, mask)``.
+Taught in notebook 03 (``#@save``: :func:`train_step`, :func:`step_seed`, :func:`train_epoch`);
+copy it with ``checkpoint.py``, ``data.py``, ``launch.py``. Also a script: ``python -m
+tpu_helpers.train --help`` lists :class:`Config`'s flags. A resume continues bit for bit.
 """
 
 from __future__ import annotations
@@ -37,13 +35,13 @@ from torch.utils.data import Dataset
 
 try:  # inside the tpu_helpers package
     from . import checkpoint
-    from .data import ArrayDataset, load_npz, make_loaders
+    from .data import AnyData, fit_datasets, fit_layout, make_loaders, set_epoch
     from .launch import launch
 except ImportError:  # copied next to checkpoint.py, data.py and launch.py
     import checkpoint  # type: ignore[no-redef]
     from launch import launch  # type: ignore[no-redef]
 
-    from data import ArrayDataset, load_npz, make_loaders
+    from data import AnyData, fit_datasets, fit_layout, make_loaders, set_epoch
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002
@@ -101,30 +99,6 @@ def Net(num_classes: int = 10, width: int = 16) -> nn.Module:  # noqa: N802 (a m
         nn.Linear(2 * width * 16, 64), nn.ReLU(), nn.Linear(64, num_classes))
 
 
-#: ``fit``'s data: a ``Dataset`` of ``(x, y)`` items, ``(x, y, eval_x, eval_y)`` numpy arrays
-#: (eval ones may be None), or None (``config.data``, else fake data like upstream's).
-AnyData = Dataset | tuple | None
-
-
-def _datasets(data: AnyData, eval_data: Dataset | None,
-              config: Config) -> tuple[Dataset, Dataset | None]:
-    """The training and evaluation ``Dataset``s, from datasets, arrays, ``.npz`` or fake data."""
-    if data is None and not config.data:  # 8x8 images, 10 noisy class patterns
-        g = np.random.default_rng(0)
-        y = g.integers(0, 10, 2560)
-        x = g.standard_normal((10, 1, 8, 8))[y] + g.standard_normal((2560, 1, 8, 8))
-        data = (x[:2048], y[:2048], x[2048:], y[2048:])
-    elif data is None:
-        data = (*load_npz(config.data), *(load_npz(config.eval_data) if config.eval_data
-                                          else (None, None)))
-    if isinstance(data, tuple):
-        x, y, ex, ey = data
-        data = ArrayDataset(np.asarray(x, np.float32), np.asarray(y, np.int64))
-        if ex is not None and eval_data is None:
-            eval_data = ArrayDataset(np.asarray(ex, np.float32), np.asarray(ey, np.int64))
-    return data, eval_data
-
-
 class TrainingDiverged(FloatingPointError):
     """The training loss became NaN or infinite (the error names the step and the lr)."""
 
@@ -147,11 +121,23 @@ def step_seed(seed, step, rank=0):
     return ((seed % 2**23) * 2**28 + step % 2**28) * 2**12 + rank % 2**12
 
 
+def train_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
+                loss_fn=F.cross_entropy, totals=None, step_fn=train_step):
+    """One pass; ``after_step(step, totals)`` logs, checkpoints, True stops; returns totals."""
+    totals = (torch.zeros(3) if totals is None else totals).to(torch_xla.device())
+    for x, y in batches:
+        step += 1
+        xm.set_rng_state(step_seed(seed, step, rank))  # dropout: the same masks on a resume
+        totals = totals + step_fn(model, optimizer, x, y, loss_fn)  # fit's dicts: dict_step
+        if after_step(step, totals):
+            break
+    return totals
+
+
 def dict_stats(model: nn.Module, batch: dict[str, torch.Tensor],
                loss_fn: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dict batch's ``loss`` and ``[loss_sum, correct, count]``: ``loss_fn(model(tokens,
-    mask), batch)`` gives the mean loss over real rows (index >= 0; padding adds nothing) or
-    ``(loss, correct, count)``."""
+    """A dict batch's loss and ``[loss_sum, correct, count]``: ``loss_fn(model(tokens, mask),
+    batch)`` returns the mean loss over real rows (index >= 0) or ``(loss, correct, count)``."""
     out = loss_fn(model(batch["tokens"], batch["mask"]), batch)
     rows = (batch["index"] >= 0).sum()
     loss, correct, count = out if isinstance(out, tuple) else (out, torch.zeros_like(out), rows)
@@ -159,40 +145,17 @@ def dict_stats(model: nn.Module, batch: dict[str, torch.Tensor],
     return loss, torch.stack([loss.detach() * count, torch.as_tensor(correct).to(loss), count])
 
 
-def dict_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
-               loss_fn=F.cross_entropy, totals=None):
-    """:func:`train_epoch` over dict batches (length buckets), with :func:`dict_stats`."""
-    totals = (torch.zeros(3) if totals is None else totals).to(torch_xla.device())
-    for batch in batches:
-        step += 1
-        xm.set_rng_state(step_seed(seed, step, rank))
-        optimizer.zero_grad(set_to_none=True)
-        loss, stats = dict_stats(model, batch, loss_fn)
-        loss.backward()
-        xm.optimizer_step(optimizer)
-        totals = totals + xm.all_reduce(xm.REDUCE_SUM, stats)
-        del loss, stats  # only the totals outlive a step: the last one is the same graph
-        if after_step(step, totals):
-            break
-    return totals
-
-
-def train_epoch(model, optimizer, batches, step, after_step, seed=0, rank=0,
-                loss_fn=F.cross_entropy, totals=None):
-    """One pass; ``after_step(step, totals)`` logs, checkpoints, True stops; returns totals."""
-    totals = (torch.zeros(3) if totals is None else totals).to(torch_xla.device())
-    for x, y in batches:
-        step += 1
-        xm.set_rng_state(step_seed(seed, step, rank))  # dropout: the same masks on a resume
-        totals = totals + train_step(model, optimizer, x, y, loss_fn)
-        if after_step(step, totals):
-            break
-    return totals
+def dict_step(model, optimizer, batch, _, loss_fn):
+    """:func:`train_step` of a dict batch (length buckets; ``fit`` pairs it with None)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, stats = dict_stats(model, batch, loss_fn)
+    loss.backward()
+    xm.optimizer_step(optimizer)
+    return xm.all_reduce(xm.REDUCE_SUM, stats)
 
 
 def evaluate(model, batches, loss_fn=F.cross_entropy):
-    """``[loss_sum, correct, count]`` of real rows over replicas, from batches ``(x, y,
-    index, mask)`` (``make_eval_loader``'s), ``(x, y, mask)`` or dicts (:func:`dict_stats`)."""
+    """Real rows' ``[loss_sum, correct, count]`` over replicas: ``(x, y, [index,] mask)``/dicts."""
     model.eval()
     totals = torch.zeros(3).to(torch_xla.device())
     with torch.no_grad():
@@ -223,20 +186,19 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
         optimizer_fn: Callable[[Any, Config], torch.optim.Optimizer] = builtin_optimizer,
         scheduler_fn: Callable[[Any, Config], Any] | None = None,
         loaders_fn: Callable[..., tuple[Any, Any]] = make_loaders) -> dict[str, Any]:
-    """Train in THIS replica (call it in ``torch_xla.launch``'s function, or once under
-    SPMD); returns the history. Checkpoints go to ``config.out_dir`` if it is set.
-    ``loaders_fn(train_set, eval_set, config, world, rank)`` gives (train, eval) loaders."""
+    """Train in THIS replica (in ``torch_xla.launch``'s function, or once under SPMD); returns
+    the history. ``loaders_fn(train_set, eval_set, config, world, rank)``: (train, eval)."""
     device = torch_xla.device()
-    world, rank, devices = _layout(config)
+    world, rank, devices = fit_layout(config)
     if config.compile_cache:  # per replica, as upstream's test does; a problem only warns
         try:
             xr.initialize_cache(str(Path(config.compile_cache) / f"replica-{rank}"))
         except Exception as exc:  # an optimisation, never a reason to stop
             warnings.warn(f"compile cache not enabled ({exc})", RuntimeWarning, stacklevel=2)
-    train_set, eval_set = _datasets(data, eval_data, config)
+    train_set, eval_set = fit_datasets(data, eval_data, config)
     train_loader, eval_loader = loaders_fn(train_set, eval_set, config, world, rank)
-    epoch_fn = dict_epoch if isinstance(next(iter(train_loader), None), dict) else train_epoch
-    if config.spmd and epoch_fn is dict_epoch:
+    dicts = isinstance(next(iter(train_loader), None), dict)  # length buckets: dict_step
+    if config.spmd and dicts:
         raise ValueError("dict (length-bucket) batches are not supported with spmd=True yet")
     torch.manual_seed(config.seed)
     model = model_fn().to(device)
@@ -254,15 +216,14 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
                 "train_samples": len(train_set), "steps_per_epoch": len(train_loader)}
     run = start(config, settings, model, optimizer, scheduler)  # settings: what a step means
     while run.epoch < config.epochs and run.step < run.last:
-        sampler = getattr(train_loader.batch_sampler, "set_epoch", None) and \
-            train_loader.batch_sampler  # a length-bucket batch_sampler, else DistributedSampler
-        (sampler or train_loader.sampler).set_epoch(run.epoch)
+        set_epoch(train_loader, run.epoch)
         loader = pl.MpDeviceLoader(itertools.islice(train_loader, run.batch, None), device,
                                    input_sharding=sharding)
         started, compiles = time.perf_counter(), _compiles()
-        totals = epoch_fn(model, optimizer, loader, run.step,
-                          functools.partial(run.after_step, model, optimizer),
-                          config.seed, rank, loss_fn, run.totals)
+        totals = train_epoch(model, optimizer, ((b, None) for b in loader) if dicts else loader,
+                             run.step, functools.partial(run.after_step, model, optimizer),
+                             config.seed, rank, loss_fn, run.totals,
+                             dict_step if dicts else train_step)
         torch_xla.sync()
         if run.batch < len(train_loader):
             break  # stopped by max_steps inside the epoch (after_step checkpointed it)
@@ -271,20 +232,6 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
             model, pl.MpDeviceLoader(eval_loader, device, input_sharding=sharding), loss_fn)
         run.end_epoch(model, optimizer, totals, held_out, seconds, _compiles() - compiles)
     return run.finish(model)
-
-
-def _layout(config: Config) -> tuple[int, int, int]:
-    """(world_size, rank, devices) of this replica, after checking the batches split."""
-    if config.spmd != xr.is_spmd():
-        raise RuntimeError("config.spmd=True needs xr.use_spmd() first" if config.spmd else
-                           "this process is in SPMD mode: pass config.spmd=True")
-    world, rank, devices = ((1, 0, xr.global_runtime_device_count()) if config.spmd else
-                            (xr.world_size(), xr.global_ordinal(), xr.world_size()))
-    for name in ("global_batch", "eval_global_batch"):
-        if getattr(config, name) % devices:
-            raise ValueError(f"{name}={getattr(config, name)} does not split evenly over "
-                             f"{devices} devices; use a multiple of {devices}")
-    return world, rank, devices
 
 
 def _compiles() -> int:
@@ -355,15 +302,13 @@ class Run:
 
     def end_epoch(self, model: nn.Module, optimizer: Any, totals: torch.Tensor,
                   eval_totals: torch.Tensor | None, seconds: float, compiles: int) -> None:
-        tr = totals.tolist()  # end of epoch: the two small reads
+        h, tr = self.history, totals.tolist()  # end of epoch: the two small reads
         _check_finite(tr[0] / tr[2], self.step, _lr(optimizer))
         ev = eval_totals.tolist() if eval_totals is not None else [float("nan"), 0.0, 1.0]
-        h = self.history
         row = {"epoch": self.epoch + 1, "steps": self.settings["steps_per_epoch"],
                "step": self.step, "lr": _lr(optimizer), "train_loss": tr[0] / tr[2],
-               "train_acc": tr[1] / tr[2], "eval_loss": ev[0] / ev[2],
-               "eval_acc": ev[1] / ev[2], "eval_count": int(ev[2]),
-               "train_seconds": round(seconds, 3), "compiles": compiles}
+               "train_acc": tr[1] / tr[2], "eval_loss": ev[0] / ev[2], "eval_acc": ev[1] / ev[2],
+               "eval_count": int(ev[2]), "train_seconds": round(seconds, 3), "compiles": compiles}
         h["epochs"].append(row)
         best = h["best_eval_acc"] is None or row["eval_acc"] > h["best_eval_acc"]
         if best:  # from the reduced metric: the same decision on every replica
@@ -418,8 +363,8 @@ def start(config: Config, settings: dict[str, Any], model: nn.Module, optimizer:
 
 def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict[str, Any],
                 model: nn.Module, optimizer: Any, scheduler: Any = None) -> Run:
-    """Restore ``ckpt``; other settings raise :class:`ResumeMismatch` unless
-    ``config.resume_new_settings`` (then: its weights and optimizer, its next epoch)."""
+    """Restore ``ckpt``; other settings raise :class:`ResumeMismatch` (unless
+    ``config.resume_new_settings``: its weights and optimizer, its next epoch)."""
     extra = ckpt.get("extra", {})
     saved = extra.get("settings")
     changes = ([f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now"
@@ -460,7 +405,7 @@ def _replica(rank, config, data, model_fn, hooks):
 def train(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] = Net,
           **hooks: Any) -> dict[str, Any]:
     """Run :func:`fit` on every replica (``launch``) or under SPMD; returns the history.
-    ``hooks`` are :func:`fit`'s keyword arguments (module-level functions: launch pickles them)."""
+    ``hooks``: :func:`fit`'s keyword arguments (module-level functions: launch pickles them)."""
     out = Path(config.out_dir or tempfile.mkdtemp(prefix="tpu_helpers-run-"))
     config = dataclasses.replace(config, out_dir=str(out))
     if config.spmd:
@@ -469,9 +414,8 @@ def train(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module
         return fit(config, data, model_fn, **hooks)
     launch(_replica, args=(config, data, model_fn, hooks), start_method=config.start_method)
     if not (out / "history.json").is_file():
-        raise FileNotFoundError(f"{out / 'history.json'} was not written on this host: with "
-                                "storage='shared' OUT_DIR must be a folder every host sees; "
-                                "for each host's own disk use storage='local'.")
+        raise FileNotFoundError(f"{out / 'history.json'} not written on this host: storage="
+                                "'shared' needs a folder every host sees, else use 'local'.")
     history = json.loads((out / "history.json").read_text())
     if "note" in history and history["runs"][-1].get("steps") == 0:
         warnings.warn(history["note"], RuntimeWarning, stacklevel=2)
@@ -493,12 +437,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     h = train(Config(**vars(parser().parse_args(argv))))
-    done = f"done: {h['total_steps']} steps, world size {h['world_size']} on {h['devices']} "
-    if h["epochs"]:
-        done += f"device(s), held-out accuracy {h['epochs'][-1]['eval_acc']:.4f}"
-    if h["resumed_from"]:
-        done += f"; resumed from {', '.join(h['resumed_from'])}"
-    print(f"{done}; files in {h['config']['out_dir']}", flush=True)
+    acc = f", held-out accuracy {h['epochs'][-1]['eval_acc']:.4f}" if h["epochs"] else ""
+    resumed = f"; resumed from {', '.join(h['resumed_from'])}" if h["resumed_from"] else ""
+    print(f"done: {h['total_steps']} steps, world size {h['world_size']} on {h['devices']} "
+          f"device(s){acc}{resumed}; files in {h['config']['out_dir']}", flush=True)
     return 0
 
 
