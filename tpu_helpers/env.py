@@ -9,7 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 #: Google's PCI device id -> TPU generation (torch_xla/_internal/tpu.py, v2.9.0; v2 = v3's id).
@@ -29,21 +29,20 @@ class Layout:
 
     processes: int
     devices_per_process: int
-    note: str = ""
 
     @property
     def world_size(self) -> int:
         return self.processes * self.devices_per_process
 
 
-#: Per TPU generation: (chips on the usual single host, TPU cores per chip, note).
-GENERATIONS: dict[str, tuple[int, int, str]] = {
-    "v2": (4, 2, "v2-8: 4 processes x 2 threads; threads share the global RNG"),
-    "v3": (4, 2, "v3-8 (old Kaggle): 4 processes x 2 threads; threads share the RNG"),
-    "v4": (4, 1, "v4-8: 4 chips, one megacore device each"),
-    "v5e": (8, 1, "v5e-8 (Kaggle): 8 processes; v5e-1 (Colab): 1 process"),
-    "v5p": (4, 1, "v5p-8: 4 chips, one megacore device each"),
-    "v6e": (8, 1, "v6e-8: 8 processes; v6e-1 (Colab): 1 process"),
+#: Per TPU generation: (chips on the usual single host, TPU cores per chip).
+GENERATIONS: dict[str, tuple[int, int]] = {
+    "v2": (4, 2),  # v2-8: 4 processes x 2 threads; threads share the global RNG
+    "v3": (4, 2),  # v3-8 (old Kaggle): 4 processes x 2 threads; threads share the RNG
+    "v4": (4, 1),  # v4-8: 4 chips, one megacore device each
+    "v5e": (8, 1),  # v5e-8 (Kaggle): 8 processes; v5e-1 (Colab): 1 process
+    "v5p": (4, 1),  # v5p-8: 4 chips, one megacore device each
+    "v6e": (8, 1),  # v6e-8: 8 processes; v6e-1 (Colab): 1 process
 }
 
 
@@ -52,8 +51,8 @@ def layout_for(generation: str, chips: int | None = None) -> Layout:
     if generation not in GENERATIONS:
         raise EnvironmentProblem(
             f"Unknown TPU generation {generation!r}; known: {', '.join(GENERATIONS)}.")
-    usual, cores, note = GENERATIONS[generation]
-    return Layout(usual if chips is None else chips, cores, note)
+    usual, cores = GENERATIONS[generation]
+    return Layout(usual if chips is None else chips, cores)
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ class Runtime:
     tpu_generation: str | None = None
     chips: int = 0
     accelerator_type: str | None = None
-    layout: Layout = field(default_factory=lambda: Layout(1, 1, "XLA:CPU emulation"))
+    layout: Layout = Layout(1, 1)  # XLA:CPU emulation
 
     @property
     def has_tpu(self) -> bool:
