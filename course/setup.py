@@ -3,9 +3,10 @@
 Every notebook's generated setup cell (``scripts/notebook_template.py``) calls
 :func:`setup_notebook`; ``notebooks/00_environment.ipynb`` explains what it does. It builds on
 the toolkit's ``tpu_helpers.env`` (runtime detection and :func:`tpu_helpers.env.version_fix`,
-the torch / torch_xla / libtpu decision) and adds what only the course needs: the platform's
-companions (torchvision, torchaudio, jax), the notebook packages, the pip run on Colab and
-Kaggle, a library check in a fresh process afterwards (on the CPU), and, on a TPU host, a check
+the torch / torch_xla / libtpu decision) and adds what only the course needs: the pair in use
+and its install command (:func:`install_command`: notebooks 06 and 08, the README), the
+platform's companions (torchvision, torchaudio, jax), the notebook packages, the pip run on Colab
+and Kaggle, a library check in a fresh process afterwards (on the CPU), and, on a TPU host, a check
 that the TPU opens, in a child process (:func:`check_tpu_opens`).
 
 :func:`plan_setup` decides, as pure data, what the setup installs on each platform;
@@ -27,12 +28,11 @@ from dataclasses import dataclass, field
 
 from tpu_helpers.env import (
     CPU_INDEX,
+    SUPPORTED,
     EnvironmentProblem,
     MatchedSet,
     Runtime,
-    active_set,
     detect_runtime,
-    install_command,
     installed,
     matched_set,
     pip_command,
@@ -162,6 +162,27 @@ def _base(version: str) -> str:
     return version.split("+")[0]
 
 
+def active_set() -> MatchedSet:
+    """The supported set of the installed pair, else the set a setup here would install."""
+    return version_fix(installed("torch"), installed("torch_xla"), None, False)[0]
+
+
+_ACTIVE = active_set()
+#: The supported pair in use here: the installed one if supported, else the default (2.9).
+TORCH_VERSION = _ACTIVE.torch
+TORCH_XLA_VERSION = next((v for v in _ACTIVE.torch_xla
+                          if _base(installed("torch_xla") or "") == v), _ACTIVE.torch_xla[0])
+LIBTPU_VERSION = _ACTIVE.libtpu  # the one ``torch_xla[tpu]==TORCH_XLA_VERSION`` pins
+
+
+def install_command(tpu: bool = True, version: str | None = None) -> str:
+    """The pip command that installs a matched CPU-build pair (default: the one in use here)."""
+    s = SUPPORTED[version] if version else _ACTIVE
+    xla = s.torch_xla[0] if version else TORCH_XLA_VERSION
+    return pip_command([f"torch=={s.torch}+cpu", f"torch_xla{'[tpu]' if tpu else ''}=={xla}"],
+                       ["--extra-index-url", CPU_INDEX])
+
+
 def installed_versions() -> dict[str, str | None]:
     """Installed version (or None) of every distribution the setup looks at (metadata only)."""
     importlib.invalidate_caches()
@@ -213,9 +234,9 @@ def _decide(inst: Mapping[str, str], has_tpu: bool
     torch / torch_xla / libtpu as the toolkit decides (:func:`tpu_helpers.env.version_fix`);
     companions follow torch only if installed, in install order after torch."""
     torch_v, xla_v = inst.get("torch"), inst.get("torch-xla")
-    fix = version_fix(torch_v, xla_v, inst.get("libtpu"), has_tpu)
-    target, pair = fix.target, matched_set(torch_v, xla_v)
-    changes = {k: v for k, v in fix.changes.items() if k == "torch"}
+    target, fixes, reasons = version_fix(torch_v, xla_v, inst.get("libtpu"), has_tpu)
+    pair = matched_set(torch_v, xla_v)
+    changes = {k: v for k, v in fixes.items() if k == "torch"}
     notes: list[str] = []
     for comp in COMPANIONS:
         want, have = COMPANION_VERSIONS[target.name][comp], inst.get(comp)
@@ -227,14 +248,17 @@ def _decide(inst: Mapping[str, str], has_tpu: bool
             notes.append(f"{comp} {have} is not the {want} built for torch {target.torch}; it "
                          f"is left alone (these notebooks do not use it); if you need it: "
                          f"{_companion_command(comp, target)}")
-    changes.update({k: v for k, v in fix.changes.items() if k != "torch"})
-    kept = list(fix.kept)
+    changes.update({k: v for k, v in fixes.items() if k != "torch"})
+    kept = [f"torch {torch_v} and torch_xla {xla_v} (a supported matched pair)"] if pair else []
+    if has_tpu and "libtpu" not in changes:
+        xla_after = target.torch_xla[0] if "torch-xla" in changes else _base(xla_v or "")
+        kept.append(f"libtpu {inst.get('libtpu')} (fits torch_xla {xla_after})")
     for dist in ("jax", "jaxlib"):
         if dist in inst:
             shown = "(version not listed)" if inst[dist] == "?" else inst[dist]
             warn = " (the notebooks do not use it; it may warn about the new libtpu)"
             kept.append(f"{dist} {shown}" + (warn if "libtpu" in changes else ""))
-    return target, changes, list(fix.reasons), kept, notes
+    return target, changes, reasons, kept, notes
 
 
 def plan_setup(installed: Mapping[str, str | None], platform: str, has_tpu: bool,
@@ -602,7 +626,7 @@ def pod_command(pod: str, files: list[str], run: str, zone: str = "us-west4-a",
                 version: str | None = None) -> str:
     """The two ``gcloud`` commands that copy ``files`` to every worker of TPU pod ``pod`` and
     run ``run`` there after installing the matched pair as a TPU VM needs it:
-    :func:`tpu_helpers.env.install_command` (``torch==X+cpu`` from PyTorch's CPU index and
+    :func:`install_command` (``torch==X+cpu`` from PyTorch's CPU index and
     ``torch_xla[tpu]==X``; plain ``torch==X`` from the package index is the CUDA build)."""
     gcloud = f"gcloud compute tpus tpu-vm {{}} --zone={zone} --worker=all"
     install = install_command(tpu=True, version=version).replace("'", '"')  # inside '...'

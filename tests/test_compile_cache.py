@@ -93,7 +93,7 @@ def test_nothing_promises_a_compile_cache_speed_up():
 
 
 def test_compile_cache_dir_per_platform(tmp_path):
-    from tpu_helpers.env import TORCH_XLA_VERSION as XLA  # the cache is per torch_xla release
+    from course.setup import TORCH_XLA_VERSION as XLA  # the cache is per torch_xla release
 
     drive = tmp_path / "MyDrive"
     kaggle = tmp_path / "working"

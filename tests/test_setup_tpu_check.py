@@ -18,9 +18,10 @@ from conftest import run_python
 from test_env import fake_dists
 
 from course import setup
-from tpu_helpers.env import active_set
+from tpu_helpers import env
 
-HERE = active_set()
+#: The supported line installed here (2.9 in .venv, 2.8 in .venv-2.8), as in test_env.
+HERE = env.matched_set(env.installed("torch"), env.installed("torch_xla"))
 #: A stand-in for libtpu.so: GetPjrtApi returns a PJRT_Api of another major version, or hangs.
 FAKE_LIBTPU = r"""
 #include <stddef.h>

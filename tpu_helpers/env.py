@@ -9,9 +9,8 @@ import os
 import re
 import sys
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 #: Google's PCI device id -> TPU generation (torch_xla/_internal/tpu.py, v2.9.0; v2 = v3's id).
 _PCI = {"0x0027": "v3", "0x005e": "v4", "0x0063": "v5e", "0x0062": "v5p", "0x006f": "v6e"}
@@ -30,21 +29,20 @@ class Layout:
 
     processes: int
     devices_per_process: int
-    note: str = ""
 
     @property
     def world_size(self) -> int:
         return self.processes * self.devices_per_process
 
 
-#: Per TPU generation: (chips on the usual single host, TPU cores per chip, note).
-GENERATIONS: dict[str, tuple[int, int, str]] = {
-    "v2": (4, 2, "v2-8: 4 processes x 2 threads; threads share the global RNG"),
-    "v3": (4, 2, "v3-8 (old Kaggle): 4 processes x 2 threads; threads share the RNG"),
-    "v4": (4, 1, "v4-8: 4 chips, one megacore device each"),
-    "v5e": (8, 1, "v5e-8 (Kaggle): 8 processes; v5e-1 (Colab): 1 process"),
-    "v5p": (4, 1, "v5p-8: 4 chips, one megacore device each"),
-    "v6e": (8, 1, "v6e-8: 8 processes; v6e-1 (Colab): 1 process"),
+#: Per TPU generation: (chips on the usual single host, TPU cores per chip).
+GENERATIONS: dict[str, tuple[int, int]] = {
+    "v2": (4, 2),  # v2-8: 4 processes x 2 threads; threads share the global RNG
+    "v3": (4, 2),  # v3-8 (old Kaggle): 4 processes x 2 threads; threads share the RNG
+    "v4": (4, 1),  # v4-8: 4 chips, one megacore device each
+    "v5e": (8, 1),  # v5e-8 (Kaggle): 8 processes; v5e-1 (Colab): 1 process
+    "v5p": (4, 1),  # v5p-8: 4 chips, one megacore device each
+    "v6e": (8, 1),  # v6e-8: 8 processes; v6e-1 (Colab): 1 process
 }
 
 
@@ -53,8 +51,8 @@ def layout_for(generation: str, chips: int | None = None) -> Layout:
     if generation not in GENERATIONS:
         raise EnvironmentProblem(
             f"Unknown TPU generation {generation!r}; known: {', '.join(GENERATIONS)}.")
-    usual, cores, note = GENERATIONS[generation]
-    return Layout(usual if chips is None else chips, cores, note)
+    usual, cores = GENERATIONS[generation]
+    return Layout(usual if chips is None else chips, cores)
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ class Runtime:
     tpu_generation: str | None = None
     chips: int = 0
     accelerator_type: str | None = None
-    layout: Layout = field(default_factory=lambda: Layout(1, 1, "XLA:CPU emulation"))
+    layout: Layout = Layout(1, 1)  # XLA:CPU emulation
 
     @property
     def has_tpu(self) -> bool:
@@ -142,9 +140,6 @@ class MatchedSet:
     torch_xla: tuple[str, ...]  # accepted releases for this torch; the first is installed
     libtpu: str
 
-    def fits_libtpu(self, version: str | None) -> bool:  # a platform build (0.0.21.1) fits
-        return version is not None and (version + ".").startswith(self.libtpu + ".")
-
 
 SUPPORTED: dict[str, MatchedSet] = {
     "2.9": MatchedSet("2.9", torch="2.9.0", torch_xla=("2.9.0",), libtpu="0.0.21"),
@@ -172,57 +167,22 @@ def matched_set(torch_version: str | None, xla_version: str | None) -> MatchedSe
                  and _base(torch_version) == s.torch and _base(xla_version) in s.torch_xla), None)
 
 
-def target_set(torch_version: str | None) -> MatchedSet:
-    """The set to install: the installed torch's line (2.8 or 2.9) if supported, else 2.9."""
-    minor = ".".join(_base(torch_version or "").split(".")[:2])
-    return SUPPORTED.get(minor, SUPPORTED["2.9"])
-
-
-def active_set() -> MatchedSet:
-    """The supported set of the installed pair, else the set a setup here would install."""
-    torch_v, xla_v = installed("torch"), installed("torch_xla")
-    return matched_set(torch_v, xla_v) or target_set(torch_v)
-
-
-_ACTIVE = active_set()
-#: The supported pair in use here: the installed one if supported, else the default (2.9).
-TORCH_VERSION = _ACTIVE.torch
-TORCH_XLA_VERSION = next((v for v in _ACTIVE.torch_xla
-                          if _base(installed("torch_xla") or "") == v), _ACTIVE.torch_xla[0])
-LIBTPU_VERSION = _ACTIVE.libtpu  # the one ``torch_xla[tpu]==TORCH_XLA_VERSION`` pins
-
-
 def pip_command(install: list[str], pip_args: list[str] | None = None) -> str:
     """The pip command line a user can paste."""
     return " ".join(["pip install", *(f"'{r}'" if "[" in r else r for r in install),
                      *(pip_args or [])])
 
 
-def install_command(tpu: bool = True, version: str | None = None) -> str:
-    """The pip command that installs a matched CPU-build pair (default: the one in use here)."""
-    s = SUPPORTED[version] if version else _ACTIVE
-    xla = s.torch_xla[0] if version else TORCH_XLA_VERSION
-    return pip_command([f"torch=={s.torch}+cpu", f"torch_xla{'[tpu]' if tpu else ''}=={xla}"],
-                       ["--extra-index-url", CPU_INDEX])
-
-
-class VersionFix(NamedTuple):
-    """What :func:`version_fix` decided: the set to reach and how."""
-    target: MatchedSet
-    changes: dict[str, tuple[str | None, str]]  # distribution -> (installed or None, requirement)
-    reasons: list[str]  # one sentence per problem (empty: nothing to fix)
-    kept: list[str]  # what is fine and stays, in words
-
-
-def version_fix(torch_v: str | None, xla_v: str | None, libtpu_v: str | None,
-                tpu: bool) -> VersionFix:
+def version_fix(torch_v: str | None, xla_v: str | None, libtpu_v: str | None, tpu: bool
+                ) -> tuple[MatchedSet, dict[str, tuple[str | None, str]], list[str]]:
     """Decide, as pure data, which of torch / torch_xla / libtpu must change and why: a
-    supported pair stays, else the installed torch's line as CPU builds; on a TPU, a libtpu
-    that does not fit brings ``torch_xla[tpu]`` and its pinned libtpu."""
+    supported pair stays, else the installed torch's line (2.8 or 2.9; else 2.9) as CPU builds;
+    on a TPU, a libtpu that does not fit brings ``torch_xla[tpu]`` and its pinned libtpu.
+    Returns ``(target set, {distribution: (installed or None, requirement)}, reasons)``."""
     pair = matched_set(torch_v, xla_v)
-    target = pair or target_set(torch_v)
+    target = pair or SUPPORTED.get(".".join(_base(torch_v or "").split(".")[:2]), SUPPORTED["2.9"])
     changes: dict[str, tuple[str | None, str]] = {}
-    reasons, kept = [], []
+    reasons = []
     if pair is None:
         pairs = ", ".join(f"torch {s.torch} + torch_xla {'/'.join(s.torch_xla)}"
                           for s in SUPPORTED.values())
@@ -237,12 +197,8 @@ def version_fix(torch_v: str | None, xla_v: str | None, libtpu_v: str | None,
             changes["torch"] = (torch_v, f"torch=={target.torch}+cpu")
         if xla_v is None or _base(xla_v) not in target.torch_xla:
             changes["torch-xla"] = (xla_v, f"torch_xla=={target.torch_xla[0]}")
-    else:
-        kept.append(f"torch {torch_v} and torch_xla {xla_v} (a supported matched pair)")
     xla_after = target.torch_xla[0] if "torch-xla" in changes else _base(xla_v or "")
-    if tpu and target.fits_libtpu(libtpu_v):
-        kept.append(f"libtpu {libtpu_v} (fits torch_xla {xla_after})")
-    elif tpu:
+    if tpu and not f"{libtpu_v}.".startswith(f"{target.libtpu}."):  # 0.0.21.1 fits 0.0.21
         reasons.append(f"libtpu is missing and torch_xla {xla_after} needs libtpu {target.libtpu}"
                        if libtpu_v is None else
                        f"libtpu {libtpu_v} does not fit torch_xla {xla_after}, which was built "
@@ -251,7 +207,7 @@ def version_fix(torch_v: str | None, xla_v: str | None, libtpu_v: str | None,
         if "torch-xla" in changes:  # the tpu extra brings the pinned libtpu
             changes["torch-xla"] = (xla_v, f"torch_xla[tpu]=={target.torch_xla[0]}")
         changes["libtpu"] = (libtpu_v, f"libtpu=={target.libtpu}")
-    return VersionFix(target, changes, reasons, kept)
+    return target, changes, reasons
 
 
 def version_problems(tpu: bool | None = None,
@@ -261,11 +217,11 @@ def version_problems(tpu: bool | None = None,
     tpu = tpu_chips()[0] > 0 if tpu is None else tpu
     v = versions if versions is not None else {d: installed(d)
                                                for d in ("torch", "torch_xla", "libtpu")}
-    fix = version_fix(v.get("torch"), v.get("torch_xla"), v.get("libtpu"), tpu)
-    reqs = [req for _, req in fix.changes.values()]
+    _, changes, reasons = version_fix(v.get("torch"), v.get("torch_xla"), v.get("libtpu"), tpu)
+    reqs = [req for _, req in changes.values()]
     cmd = pip_command(reqs, ["--extra-index-url", CPU_INDEX] if any("+cpu" in r for r in reqs)
                       else [])
-    return [f"{r}: run `{cmd}` and restart the runtime." for r in fix.reasons]
+    return [f"{r}: run `{cmd}` and restart the runtime." for r in reasons]
 
 
 def check_versions(tpu: bool | None = None) -> dict[str, str | None]:
