@@ -59,8 +59,8 @@ def repo() -> Path:
 
 
 FORKED_RANKS = """
-import ast, os, sys
-source, world, folder, args = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+import ast, json, os, sys
+source, logs, rank_args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 tree = ast.parse(source)
 # the worker's own top-level imports (torch, torch_xla, ...: ~5 s of CPU each time), once,
 # before the fork; none starts the XLA runtime, which each rank starts for itself
@@ -70,16 +70,16 @@ code = compile(tree, "<worker>", "exec")
 
 
 def rank_main(rank):
-    log = os.open(os.path.join(folder, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    log = os.open(f"{logs}{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    sys.argv = ["-c", str(rank), str(world), folder, *args]
+    sys.argv = ["-c", *rank_args[rank]]
     exec(code, {"__name__": "__main__"})
     sys.exit(0)  # the ordinary interpreter exit, as a rank of its own would end
 
 
 pids = []
-for rank in range(world):
+for rank in range(len(rank_args)):
     pid = os.fork()
     if pid == 0:
         rank_main(rank)  # never returns: the rank exits with its own status
@@ -90,20 +90,20 @@ sys.exit(1 if any(codes) else 0)
 """
 
 
-def gloo_ranks(worker: str, world: int, folder: Path, *args: str,
-               timeout: float = 240) -> list[dict]:
-    """Run ``worker`` (Python source) as ``world`` real processes, each given its rank, the
-    world size, ``folder`` and ``args``; each writes ``folder/report-<rank>.json``. Fails
-    naming the rank that failed; returns the reports in rank order.
+def forked_ranks(worker: str, rank_args: list[list[str]], logs: Path, env: dict[str, str],
+                 timeout: float = 240) -> list[str]:
+    """Run ``worker`` (Python source, as ``python -c``) as one real process per entry of
+    ``rank_args`` (its ``sys.argv[1:]``); return each one's output (``<logs><rank>.log``).
+    Fails naming the rank that failed, with its output.
 
     The ranks are forked from one process that ran the worker's top-level imports first (as
     ``torch_xla.launch(start_method="fork")`` starts its replicas): each rank is a process of
-    its own that starts its own XLA runtime and gloo group, without paying the imports again."""
+    its own that starts its own XLA runtime and process group, without paying the imports
+    again."""
     import json
 
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", FORKED_RANKS, textwrap.dedent(worker),
-                             str(world), str(folder), *args], cwd=REPO, env=env,
+                             str(logs), json.dumps(rank_args)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -112,12 +112,26 @@ def gloo_ranks(worker: str, world: int, folder: Path, *args: str,
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks
             proc.wait()
-    logs = {r: folder / f"rank-{r}.log" for r in range(world)}
+    paths = [Path(f"{logs}{r}.log") for r in range(len(rank_args))]
+    outputs = [p.read_text() if p.exists() else "(no output)" for p in paths]
     codes = re.search(r"RANK EXIT CODES (.*)", launcher)
     assert codes, f"the rank launcher failed:\n{launcher[-3000:]}"
     for r, code in enumerate(codes.group(1).split()):
-        text = logs[r].read_text() if logs[r].exists() else "(no output)"
-        assert code == "0", f"rank {r} failed ({code}):\n{text[-3000:]}"
+        assert code == "0", f"rank {r} failed ({code}):\n{outputs[r][-3000:]}"
+    return outputs
+
+
+def gloo_ranks(worker: str, world: int, folder: Path, *args: str,
+               timeout: float = 240) -> list[dict]:
+    """Run ``worker`` (Python source) as ``world`` real processes (:func:`forked_ranks`), each
+    given its rank, the world size, ``folder`` and ``args``; each writes
+    ``folder/report-<rank>.json``. Fails naming the rank that failed; returns the reports in
+    rank order."""
+    import json
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "PYTHONPATH": str(REPO)}
+    forked_ranks(worker, [[str(r), str(world), str(folder), *args] for r in range(world)],
+                 folder / "rank-", env, timeout)
     return [json.loads((folder / f"report-{r}.json").read_text()) for r in range(world)]
 
 
