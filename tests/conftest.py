@@ -7,6 +7,7 @@ device count is fixed at the first XLA use in a process); see ``run_python``.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,28 +58,80 @@ def repo() -> Path:
     return REPO
 
 
+FORKED_RANKS = """
+import ast, json, os, sys
+source, logs, rank_args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+tree = ast.parse(source)
+# the worker's own top-level imports (torch, torch_xla, ...: ~5 s of CPU each time), once,
+# before the fork; none starts the XLA runtime, which each rank starts for itself
+exec(compile(ast.Module([n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
+                        []), "<imports>", "exec"), {})
+code = compile(tree, "<worker>", "exec")
+
+
+def rank_main(rank):
+    log = os.open(f"{logs}{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.argv = ["-c", *rank_args[rank]]
+    exec(code, {"__name__": "__main__"})
+    sys.exit(0)  # the ordinary interpreter exit, as a rank of its own would end
+
+
+pids = []
+for rank in range(len(rank_args)):
+    pid = os.fork()
+    if pid == 0:
+        rank_main(rank)  # never returns: the rank exits with its own status
+    pids.append(pid)
+codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+print("RANK EXIT CODES", *codes)
+sys.exit(1 if any(codes) else 0)
+"""
+
+
+def forked_ranks(worker: str, rank_args: list[list[str]], logs: Path, env: dict[str, str],
+                 timeout: float = 240) -> list[str]:
+    """Run ``worker`` (Python source, as ``python -c``) as one real process per entry of
+    ``rank_args`` (its ``sys.argv[1:]``); return each one's output (``<logs><rank>.log``).
+    Fails naming the rank that failed, with its output.
+
+    The ranks are forked from one process that ran the worker's top-level imports first (as
+    ``torch_xla.launch(start_method="fork")`` starts its replicas): each rank is a process of
+    its own that starts its own XLA runtime and process group, without paying the imports
+    again."""
+    import json
+
+    proc = subprocess.Popen([sys.executable, "-c", FORKED_RANKS, textwrap.dedent(worker),
+                             str(logs), json.dumps(rank_args)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        launcher = proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks
+            proc.wait()
+    paths = [Path(f"{logs}{r}.log") for r in range(len(rank_args))]
+    outputs = [p.read_text() if p.exists() else "(no output)" for p in paths]
+    codes = re.search(r"RANK EXIT CODES (.*)", launcher)
+    assert codes, f"the rank launcher failed:\n{launcher[-3000:]}"
+    for r, code in enumerate(codes.group(1).split()):
+        assert code == "0", f"rank {r} failed ({code}):\n{outputs[r][-3000:]}"
+    return outputs
+
+
 def gloo_ranks(worker: str, world: int, folder: Path, *args: str,
                timeout: float = 240) -> list[dict]:
-    """Run ``worker`` (Python source) as ``world`` real processes, each given its rank, the
-    world size, ``folder`` and ``args``; each writes ``folder/report-<rank>.json``. Fails
-    naming the rank that failed; returns the reports in rank order."""
+    """Run ``worker`` (Python source) as ``world`` real processes (:func:`forked_ranks`), each
+    given its rank, the world size, ``folder`` and ``args``; each writes
+    ``folder/report-<rank>.json``. Fails naming the rank that failed; returns the reports in
+    rank order."""
     import json
 
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(worker), str(r), str(world),
-                               str(folder), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{text[-3000:]}"
+    forked_ranks(worker, [[str(r), str(world), str(folder), *args] for r in range(world)],
+                 folder / "rank-", env, timeout)
     return [json.loads((folder / f"report-{r}.json").read_text()) for r in range(world)]
 
 

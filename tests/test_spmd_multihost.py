@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, forked_ranks
 
 WORKER = r"""
 import json, os, sys
@@ -111,27 +109,17 @@ print("JSON" + json.dumps(report))
 
 def run_group(tmp_path, action: str, storages: str = "shared,local",
               world: int = 2) -> list[dict]:
-    """Run ``world`` worker processes in one gloo group; return each one's JSON report
+    """Run ``world`` worker processes in one gloo group (forked from one process that imported
+    the worker's modules once: conftest.forked_ranks); return each one's JSON report
     (storage mode -> what that case saw)."""
     init = tmp_path / f"init-{action}"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2",
            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, action, storages,
-                               str(tmp_path / "ckpts"), str(init), str(r), str(world)],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
-    reports = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=240)
-            assert proc.returncode == 0, f"rank failed:\n{stdout[-2000:]}\n{stderr[-4000:]}"
-            line = next(ln for ln in stdout.splitlines() if ln.startswith("JSON"))
-            reports.append(json.loads(line[4:]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return reports
+    outputs = forked_ranks(WORKER, [[action, storages, str(tmp_path / "ckpts"), str(init),
+                                     str(r), str(world)] for r in range(world)],
+                           tmp_path / f"{action}-rank-", env)
+    return [json.loads(next(ln for ln in out.splitlines() if ln.startswith("JSON"))[4:])
+            for out in outputs]
 
 
 @pytest.fixture(scope="module")
