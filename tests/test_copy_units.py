@@ -7,12 +7,24 @@ exactly those files into a temporary folder outside the repository and runs the 
 in a fresh Python with the repository off ``sys.path`` and ``tpu_helpers`` and ``course`` made
 unimportable (so a hidden import of anything else fails), on XLA:CPU. The script prints
 ``ok`` last. Every module in ``tpu_helpers/`` must be copied by at least one script.
+
+A script whose first statements import ``torch_xla`` before anything it copies (``WARM``) runs
+in a process forked, for it alone, from one Python that imported only ``torch`` and
+``torch_xla`` (~4.5 s of CPU each time; the import starts no XLA runtime) and nothing from the
+repository: at the script's first line of its own it is in the state a fresh Python reaches
+after those imports, in the script's folder, with its own runtime. The others (those that check
+what their unit does not import) run in a fresh Python.
 """
 
 from __future__ import annotations
 
+import ast
+import json
+import os
 import re
+import selectors
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +38,39 @@ import sys
 sys.modules["tpu_helpers"] = None  # the repository's packages are out of reach
 sys.modules["course"] = None
 sys.path = [p for p in sys.path if p.rstrip("/") != {repo!r}]  # (its venv may live inside)
+"""
+
+
+#: The warm parent: imports torch and torch_xla (not the repository: its cwd is an empty folder,
+#: no PYTHONPATH), then forks one child per request line ({code, cwd, home, out, err}); the
+#: child runs ``code`` as ``python -c`` would (uncaught errors print and exit 1, at the
+#: interpreter's own exit); the parent answers each line with the child's exit code.
+WARM_PARENT = """
+import json, os, sys
+import torch, torch_xla
+assert not set(json.loads(sys.argv[1])) & set(sys.modules), "the parent imported a toolkit module"
+KEEP = {"__name__", "__doc__", "__package__", "__loader__", "__spec__", "__annotations__",
+        "__builtins__"}
+
+
+def child(job, os=os, sys=sys, keep=KEEP):
+    os.chdir(job["cwd"])  # sys.path[0] is '' as for python -c: the copy folder
+    os.environ["HOME"] = job["home"]
+    for fd, path in ((0, os.devnull), (1, job["out"]), (2, job["err"])):
+        os.dup2(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC), fd)
+    code = compile(job["code"], "<string>", "exec")
+    main = sys.modules["__main__"].__dict__  # the script's globals: a bare __main__, as -c's
+    for name in [name for name in main if name not in keep]:
+        del main[name]
+    exec(code, main)
+    sys.exit(0)  # the ordinary interpreter exit; an uncaught error prints and exits 1
+
+
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        child(json.loads(line))  # never returns
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """
 
 
@@ -53,19 +98,85 @@ def test_every_toolkit_module_is_a_tested_copy_unit():
     assert modules <= covered, f"no copy-unit script copies {sorted(modules - covered)}"
 
 
+def imports_torch_xla_first(script: Path) -> bool:
+    """The script's leading statements (imports, ``os.environ[...] = ...``) import torch_xla
+    before anything else runs, its copied modules included."""
+    copied = {name.removesuffix(".py") for name in copied_files(script)}
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]).startswith("os.environ["):
+            continue
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            modules = [node.module or ""]
+        else:
+            return False
+        tops = {m.split(".")[0] for m in modules}
+        if tops & copied:
+            return False
+        if "torch_xla" in tops:
+            return True
+    return False
+
+
+WARM = [s.stem for s in SCRIPTS if imports_torch_xla_first(s)]
+
+
+def test_warm_units_are_those_whose_script_imports_torch_xla_first():
+    assert WARM == ["checkpoint", "device_loader", "launch", "predict", "spmd"]
+
+
+@pytest.fixture(scope="module")
+def warm_parent(tmp_path_factory):
+    """The warm parent (``WARM_PARENT``), started once for this file; yields a function that
+    runs code in a child of it and returns the child's exit code."""
+    empty = tmp_path_factory.mktemp("warm-parent")
+    names = [p.stem for p in (REPO / "tpu_helpers").glob("*.py")] + ["tpu_helpers", "course"]
+    proc = subprocess.Popen([sys.executable, "-c", WARM_PARENT, json.dumps(names)], cwd=empty,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",
+                                 "PATH": "/usr/bin:/bin", "HOME": str(empty)},
+                            start_new_session=True)
+    answers = selectors.DefaultSelector()
+    answers.register(proc.stdout, selectors.EVENT_READ)
+
+    def run(code: str, cwd: Path, home: Path, out: Path, err: Path, timeout: float) -> int:
+        job = {"code": code, "cwd": str(cwd), "home": str(home), "out": str(out),
+               "err": str(err)}
+        proc.stdin.write(json.dumps(job) + "\n")
+        proc.stdin.flush()
+        assert answers.select(timeout), f"no exit within {timeout} s"
+        answer = proc.stdout.readline()
+        assert answer.strip(), f"the warm parent died ({proc.wait()})"
+        return int(answer)
+
+    try:
+        yield run
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the parent and any child left running
+        proc.wait()
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
-def test_unit_works_copied_alone(script, tmp_path):
+def test_unit_works_copied_alone(script, tmp_path, request):
     project = tmp_path / "your_project"
     project.mkdir()
     for name in copied_files(script):
         shutil.copy(REPO / "tpu_helpers" / name, project / name)
     code = BLOCK_REPO.format(repo=str(REPO)) + script.read_text()
-    proc = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True,
-                          text=True, timeout=300,
-                          env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",
-                               "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "ok"
+    if script.stem in WARM:
+        out, err = tmp_path / "stdout", tmp_path / "stderr"
+        run = request.getfixturevalue("warm_parent")
+        returncode = run(code, project, tmp_path, out, err, timeout=300)
+        stdout, stderr = out.read_text(), err.read_text()
+    else:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True,
+                              text=True, timeout=300,
+                              env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",
+                                   "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    assert returncode == 0, stderr[-3000:]
+    assert stdout.strip().splitlines()[-1] == "ok"
 
 
 def test_the_readme_states_each_units_lines_and_the_total():
