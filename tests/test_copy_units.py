@@ -8,12 +8,13 @@ in a fresh Python with the repository off ``sys.path`` and ``tpu_helpers`` and `
 unimportable (so a hidden import of anything else fails), on XLA:CPU. The script prints
 ``ok`` last. Every module in ``tpu_helpers/`` must be copied by at least one script.
 
-A script whose first statements import ``torch_xla`` before anything it copies (``WARM``) runs
+A script whose fresh Python imports ``torch_xla`` before anything else runs (``WARM``: its
+leading statements are imports that reach torch_xla, see ``imports_torch_xla_first``) runs
 in a process forked, for it alone, from one Python that imported only ``torch`` and
 ``torch_xla`` (~4.5 s of CPU each time; the import starts no XLA runtime) and nothing from the
 repository: at the script's first line of its own it is in the state a fresh Python reaches
-after those imports, in the script's folder, with its own runtime. The others (those that check
-what their unit does not import) run in a fresh Python.
+after those imports, in the script's folder, with its own runtime. The others (some check what
+their unit does not import) run in a fresh Python.
 """
 
 from __future__ import annotations
@@ -98,32 +99,38 @@ def test_every_toolkit_module_is_a_tested_copy_unit():
     assert modules <= covered, f"no copy-unit script copies {sorted(modules - covered)}"
 
 
-def imports_torch_xla_first(script: Path) -> bool:
-    """The script's leading statements (imports, ``os.environ[...] = ...``) import torch_xla
-    before anything else runs, its copied modules included."""
-    copied = {name.removesuffix(".py") for name in copied_files(script)}
-    for node in ast.parse(script.read_text()).body:
+def imports_torch_xla_first(source: str, copied: dict[str, Path]) -> bool:
+    """A fresh Python running ``source`` imports torch_xla before anything else runs: its
+    leading statements are imports (of the standard library, torch or numpy, which a fresh
+    ``import torch_xla`` loads anyway; of a copied module whose own leading statements import
+    torch_xla first) and ``os.environ[...] = ...``, up to an import of torch_xla."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring
         if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]).startswith("os.environ["):
             continue
         if isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            modules = [node.module or ""]
+            tops = [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            tops = [node.module.split(".")[0]]
         else:
             return False
-        tops = {m.split(".")[0] for m in modules}
-        if tops & copied:
-            return False
-        if "torch_xla" in tops:
-            return True
+        for top in tops:
+            if top == "torch_xla":
+                return True
+            if top in copied:
+                return imports_torch_xla_first(copied[top].read_text(), copied)
+            if top not in sys.stdlib_module_names and top not in ("torch", "numpy"):
+                return False
     return False
 
 
-WARM = [s.stem for s in SCRIPTS if imports_torch_xla_first(s)]
+WARM = [s.stem for s in SCRIPTS if imports_torch_xla_first(
+    s.read_text(), {n.removesuffix(".py"): REPO / "tpu_helpers" / n for n in copied_files(s)})]
 
 
 def test_warm_units_are_those_whose_script_imports_torch_xla_first():
-    assert WARM == ["checkpoint", "device_loader", "launch", "predict", "spmd"]
+    assert WARM == ["checkpoint", "device_loader", "launch", "predict", "spmd", "train"]
 
 
 @pytest.fixture(scope="module")
