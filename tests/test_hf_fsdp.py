@@ -1,6 +1,6 @@
 """Notebook 11, section 7: FSDPv2 with the Trainer (transformers 5.24.0) on 4 virtual devices under
-SPMD, with a real Trainer and real torch_xla, each SPMD run in a fresh process (SPMD is
-process-wide). The notebook's own script is run as written, taken from its cells."""
+SPMD, with a real Trainer and real torch_xla; the SPMD runs share one fresh process of their own
+(SPMD is process-wide). The notebook's own script is run as written, taken from its cells."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from conftest import run_python, run_script  # noqa: E402
+from conftest import run_script  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "12_accelerate_and_fsdp_v2.ipynb"
-SPMD = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 
 
 def notebook_script() -> str:
@@ -45,10 +44,46 @@ with open(f"{OUT}/probe.json", "w") as f:
 """
 
 
+#: Appended after the probes, in the same SPMD process on 4 devices (asserted): the Trainer with
+#: fsdp_config FSDPv2 once the optimizer it skips is created. Any other error is printed on one
+#: line (not a traceback), so that it fails only its own test.
+FSDP_PAST_THE_OPTIMIZER = """
+assert xr.is_spmd() and xr.global_runtime_device_count() == 4
+past_tok = byte_tokenizer()
+past_data = [{**past_tok(t, padding="max_length", max_length=32),
+              "labels": past_tok(t, padding="max_length", max_length=32)["input_ids"]}
+             for t in speeches(32)[:8]]
+past_args = TrainingArguments(output_dir=OUT, per_device_train_batch_size=4, max_steps=1,
+    optim="adamw_torch_xla", report_to="none", save_strategy="no", disable_tqdm=True,
+    dataloader_pin_memory=False, fsdp="full_shard", fsdp_config={"xla": True, "xla_fsdp_v2": True})
+
+
+class CreatesTheOptimizer(Trainer):  # what transformers 5.24.0 skips for FSDP on XLA
+    def create_scheduler(self, num_training_steps, optimizer=None):
+        if self.optimizer is None:
+            self.create_optimizer()
+            self.optimizer = self.accelerator.prepare(self.optimizer)
+        return super().create_scheduler(num_training_steps, optimizer)
+
+
+try:
+    CreatesTheOptimizer(model=tiny_gpt2(past_tok, 32), args=past_args,
+                        train_dataset=past_data).train()
+    print("TRAINED")
+except ValueError as err:
+    print("FAILED", err)
+except Exception as err:  # noqa: BLE001 - reported on one line, read by its own test
+    print("PAST THE OPTIMIZER RAISED", repr(err).replace(chr(10), " "))
+"""
+
+
 @pytest.fixture(scope="module")
 def script_run(tmp_path_factory):
+    """One SPMD process (4 devices): the notebook's script, the probes, then the Trainer past
+    the optimizer (one fresh Python with torch_xla and transformers instead of two)."""
     folder = tmp_path_factory.mktemp("fsdp")
-    proc = run_script(folder, "fsdp_v2.py", notebook_script() + PROBES, str(folder), timeout=900)
+    proc = run_script(folder, "fsdp_v2.py", notebook_script() + PROBES + FSDP_PAST_THE_OPTIMIZER,
+                      str(folder), timeout=900)
     return (proc, json.loads((folder / "fsdp_v2.json").read_text()),
             json.loads((folder / "probe.json").read_text()))
 
@@ -83,42 +118,8 @@ def test_gpt2_output_skips_fsdp_v2s_backward_hook_and_weights_stay_tied(script_r
     assert probe["tied"] and probe["params"] == 16  # lm_head is wte: one embedding, not two
 
 
-FSDP_PAST_THE_OPTIMIZER = """
-import os
-os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
-import torch_xla.runtime as xr
-xr.use_spmd()
-from transformers import Trainer, TrainingArguments
-from transformers.utils import logging
-from course.hf import byte_tokenizer, speeches, tiny_gpt2
-logging.set_verbosity_error()
-tok = byte_tokenizer()
-data = [{**tok(t, padding="max_length", max_length=32),
-         "labels": tok(t, padding="max_length", max_length=32)["input_ids"]}
-        for t in speeches(32)[:8]]
-args = TrainingArguments(output_dir=os.environ["OUT"], per_device_train_batch_size=4, max_steps=1,
-    optim="adamw_torch_xla", report_to="none", save_strategy="no", disable_tqdm=True,
-    dataloader_pin_memory=False, fsdp="full_shard", fsdp_config={"xla": True, "xla_fsdp_v2": True})
-
-
-class CreatesTheOptimizer(Trainer):  # what transformers 5.24.0 skips for FSDP on XLA
-    def create_scheduler(self, num_training_steps, optimizer=None):
-        if self.optimizer is None:
-            self.create_optimizer()
-            self.optimizer = self.accelerator.prepare(self.optimizer)
-        return super().create_scheduler(num_training_steps, optimizer)
-
-
-try:
-    CreatesTheOptimizer(model=tiny_gpt2(tok, 32), args=args, train_dataset=data).train()
-    print("TRAINED")
-except ValueError as err:
-    print("FAILED", err)
-"""
-
-
-def test_past_the_optimizer_the_trainers_shard_output_rejects_gpt2s_output(tmp_path):
-    proc = run_python(FSDP_PAST_THE_OPTIMIZER, env={**SPMD, "OUT": str(tmp_path)}, timeout=600)
+def test_past_the_optimizer_the_trainers_shard_output_rejects_gpt2s_output(script_run):
+    proc, _, _ = script_run
     assert "FAILED Something went wrong, the output of the model shouldn't be `None`" in proc.stdout
 
 

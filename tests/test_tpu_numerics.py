@@ -37,6 +37,8 @@ def last_json(proc: subprocess.CompletedProcess[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+#: Run inside PROBES' lane-on process (after its TOLERANCE line, before scan_layers); counts
+#: its own matmuls only.
 NUMERICS = """
 import json
 import torch, torch_xla, torch_xla.backends
@@ -58,6 +60,7 @@ c = torch.randn(2, 4, 7, 7)  # upstream gradients: not representable in bfloat16
 g = torch.randn(64, 8)
 out = {"active": tpu_numerics.active()}
 assert torch_xla.backends.get_mat_mul_precision() == "default"
+start = tpu_numerics.count()
 
 mm = (a.to(dev) @ b.to(dev)).cpu()
 out["mm_vs_rounded"], out["mm_vs_exact"] = gap(mm, r(a) @ r(b)), gap(mm, a @ b)
@@ -76,7 +79,7 @@ out["dbias_vs_exact"] = gap(kbd.grad.cpu(), c.sum((0, 2, 3)))  # a sum: not a ma
 ad = a.to(dev).requires_grad_()
 (F.linear(ad, w.to(dev)) * g.to(dev)).sum().backward()
 out["dlinear_vs_rounded"] = gap(ad.grad.cpu(), r(g) @ r(w))
-out["count_default"] = tpu_numerics.count()
+out["count_default"] = tpu_numerics.count() - start
 
 torch_xla.backends.set_mat_mul_precision("high")
 high = (a.to(dev) @ b.to(dev)).cpu()
@@ -96,13 +99,13 @@ before = tpu_numerics.count()
 torch_xla.backends.set_mat_mul_precision("default")
 out["cpu_vs_exact"] = gap(a @ b, a.double().matmul(b.double()).float())
 out["cpu_counted"] = tpu_numerics.count() - before
-print(json.dumps(out))
+print("NUMERICS" + json.dumps(out), flush=True)
 """
 
 
 @pytest.fixture(scope="module")
-def numerics(tmp_path_factory) -> dict:
-    return last_json(emulated(NUMERICS, tmp_path_factory.mktemp("numerics")))
+def numerics(probes) -> dict:
+    return probe(probes["on"], "NUMERICS")
 
 
 def test_default_rounds_matmul_linear_conv_inputs_to_bfloat16(numerics):
@@ -171,13 +174,17 @@ def test_counter_in_forked_spawned_and_launched_replicas(tmp_path):
 
 #: One fresh Python per mode (lane on / off) answers three questions, each on its own line:
 #: is another sitecustomize still chained, what tolerance the course picks, and does scan_layers
-#: run. Each test reads its own line; a crash in scan_layers fails only the scan test.
+#: run; the lane-on one also runs NUMERICS (its own line) before scan_layers. Each test reads
+#: its own line; a crash in scan_layers fails only the scan test.
 PROBES = """
 import builtins, json, sys, torch_xla
 print("CHAINED" + json.dumps([getattr(builtins, 'CHAINED', False), 'tpu_numerics' in sys.modules]))
 from course.precision import FP32_TOLERANCE, TPU_TOLERANCE, cpu_tolerance, runtime
 print("TOLERANCE" + json.dumps([runtime(), cpu_tolerance()[0], TPU_TOLERANCE["default"],
                                 FP32_TOLERANCE]), flush=True)
+import os
+if os.environ["TPU_NUMERICS"] == "1":
+    import numerics  # noqa: F401  (NUMERICS, written beside this script)
 import torch
 from torch_xla.experimental.scan_layers import scan_layers
 torch.manual_seed(0)
@@ -202,6 +209,7 @@ def probes(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str]]:
     for name, on in (("on", True), ("off", False)):
         folder = tmp_path_factory.mktemp(name)
         (folder / "probe.py").write_text(PROBES)
+        (folder / "numerics.py").write_text(NUMERICS)
         path = os.pathsep.join((str(REPO), str(SITE), str(LANE), str(other)))
         env = {**os.environ, "PYTHONPATH": path, "TPU_NUMERICS": "1" if on else "0",
                "TPU_NUMERICS_DIR": str(folder / "proof"), "PJRT_DEVICE": "CPU"}
@@ -229,39 +237,17 @@ def test_course_tolerance_treats_the_emulation_like_a_tpu(probes):
     assert (name, tol) == ("XLA:CPU", fp32)
 
 
-SHARDING = """
-import json, os
-os.environ["CPU_NUM_DEVICES"] = "4"
-import numpy as np, torch, torch_xla, torch_xla.runtime as xr
-import torch_xla.distributed.spmd as xs
-from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
-    SpmdFullyShardedDataParallel as FSDPv2)
-
-xr.use_spmd()
-dev = torch_xla.device()
-made = [torch.ones(3).to(dev), torch.zeros(3, device=dev), torch.nn.Linear(8, 16).to(dev).weight]
-model = FSDPv2(torch.nn.Linear(8, 16).to(dev), mesh=xs.Mesh(np.arange(4), (4,), ("fsdp",)))
-print(json.dumps({"functional": [torch._is_functional_tensor(t) for t in made],
-                  "fsdp_weight": torch_xla._XLAC._get_xla_sharding_spec(model.module.weight)}))
-"""
-
-
-def test_tensors_made_under_the_lane_are_the_usual_ones_and_fsdpv2_shards_them(tmp_path):
-    """The mode sees factory ops and CPU->XLA copies itself (no XLA input for functionalization
-    to unwrap), with Functionalize excluded: torch_xla then returns unwrapped tensors, and
-    ``param.data = ...`` (FSDPv2's ``module.to('xla')``) silently re-uploads them replicated."""
-    off = last_json(emulated(SHARDING, tmp_path, on=False))
-    on = last_json(emulated(SHARDING, tmp_path))
-    assert off == {"functional": [True] * 3, "fsdp_weight": "{devices=[4,1]0,1,2,3}"}, off
-    assert on == off
-
-
-RECOMPILE = """
+#: One fresh Python per mode (lane off / on) under SPMD on 4 devices (SPMD is process-wide): the
+#: recompile check first (its compile count is read before anything else compiles), then the
+#: sharding check; each on its own line, read by its own test.
+SPMD = """
 import json, os
 os.environ["CPU_NUM_DEVICES"] = "4"
 import numpy as np, torch, torch_xla, torch_xla.runtime as xr
 import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+    SpmdFullyShardedDataParallel as FSDPv2)
 
 xr.use_spmd()
 dev, mesh = torch_xla.device(), xs.Mesh(np.arange(4), (4,), ("data",))
@@ -272,18 +258,49 @@ for _ in range(3):
     out = x @ w
     xs.mark_sharding(out, mesh, ("data", None))
     torch_xla.sync()
-print(json.dumps({"compiles": met.metric_data("CompileTime")[0],
-                  "w": torch_xla._XLAC._get_xla_sharding_spec(w)}))
+print("RECOMPILE" + json.dumps({"compiles": met.metric_data("CompileTime")[0],
+                                "w": torch_xla._XLAC._get_xla_sharding_spec(w)}), flush=True)
+
+made = [torch.ones(3).to(dev), torch.zeros(3, device=dev), torch.nn.Linear(8, 16).to(dev).weight]
+model = FSDPv2(torch.nn.Linear(8, 16).to(dev), mesh=xs.Mesh(np.arange(4), (4,), ("fsdp",)))
+print("SHARDING" + json.dumps({"functional": [torch._is_functional_tensor(t) for t in made],
+                               "fsdp_weight": torch_xla._XLAC._get_xla_sharding_spec(
+                                   model.module.weight)}))
 """
 
 
-def test_the_rounding_adds_no_recompile_under_spmd(tmp_path):
+@pytest.fixture(scope="module")
+def spmd(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The SPMD script with the lane off and on; each test checks the line it reads."""
+    procs = {}
+    for name, on in (("off", False), ("on", True)):
+        folder = tmp_path_factory.mktemp(f"spmd_{name}")
+        (folder / "probe.py").write_text(SPMD)
+        path = os.pathsep.join((str(REPO), str(SITE), str(LANE)))
+        env = {**os.environ, "PYTHONPATH": path, "TPU_NUMERICS": "1" if on else "0",
+               "TPU_NUMERICS_DIR": str(folder / "proof"), "PJRT_DEVICE": "CPU"}
+        procs[name] = subprocess.run([sys.executable, "probe.py"], cwd=folder, env=env,
+                                     capture_output=True, text=True, timeout=300)
+    return procs
+
+
+def test_tensors_made_under_the_lane_are_the_usual_ones_and_fsdpv2_shards_them(spmd):
+    """The mode sees factory ops and CPU->XLA copies itself (no XLA input for functionalization
+    to unwrap), with Functionalize excluded: torch_xla then returns unwrapped tensors, and
+    ``param.data = ...`` (FSDPv2's ``module.to('xla')``) silently re-uploads them replicated."""
+    off = probe(spmd["off"], "SHARDING")
+    on = probe(spmd["on"], "SHARDING")
+    assert off == {"functional": [True] * 3, "fsdp_weight": "{devices=[4,1]0,1,2,3}"}, off
+    assert on == off
+
+
+def test_the_rounding_adds_no_recompile_under_spmd(spmd):
     """After the first run torch_xla marks an unannotated input ``{replicated}``, and a cast of
     it inherits that annotation: rounding casts would make step 2's graph differ from step 1's
     (a second compile a TPU, which rounds inside the dot, does not have)."""
-    off = last_json(emulated(RECOMPILE, tmp_path, on=False))
+    off = probe(spmd["off"], "RECOMPILE")
     assert off == {"compiles": 1, "w": "{replicated}"}, off
-    assert last_json(emulated(RECOMPILE, tmp_path)) == off
+    assert probe(spmd["on"], "RECOMPILE") == off
 
 
 def test_scan_layers_runs_under_the_lane_and_its_layers_round(probes):
