@@ -158,9 +158,6 @@ class BucketEvalSampler(Sampler[list[int]]):
         self.plan = eval_plan(np.asarray(buckets, dtype=np.int64), batch_size, num_replicas)
         self.rank = rank
 
-    def steps(self) -> list[tuple[int, np.ndarray]]:
-        return self.plan
-
     def __iter__(self) -> Iterator[list[int]]:
         for _, chunk in self.plan:
             yield chunk[self.rank].tolist()
