@@ -219,11 +219,14 @@ class CheckpointDir:
 
     def save(self, state: Mapping[str, Any], step: int, *, is_writer: bool | None = None,
              barrier: Callable[[], None] | None = None) -> Path | None:
-        """Save step ``step`` (call on every replica); the writer then prunes old ones."""
+        """Save step ``step`` (call on every replica); the writer then deletes the temp files
+        of a writer killed mid-save (not its own) and prunes old steps."""
         writer = is_checkpoint_writer(self.storage) if is_writer is None else is_writer
         path = save_checkpoint(self.path_for(step), state, is_writer=writer, barrier=barrier)
         if writer:
-            self.remove_stale_temp_files()
+            for p in self.directory.glob(f"*{TEMP_MARKER}*"):  # left by a writer killed mid-save
+                if f"{TEMP_MARKER}{os.getpid()}-" not in p.name:
+                    p.unlink(missing_ok=True)
             if self.keep is not None:
                 for old in self.steps()[:-self.keep]:
                     self.path_for(old).unlink(missing_ok=True)
@@ -234,12 +237,6 @@ class CheckpointDir:
         """Overwrite ``best.pt`` (every replica calls it, deciding from a reduced metric)."""
         writer = is_checkpoint_writer(self.storage) if is_writer is None else is_writer
         return save_checkpoint(self.best_path, state, is_writer=writer, barrier=barrier)
-
-    def remove_stale_temp_files(self) -> None:
-        """Delete temp files left by a writer that was killed mid-save (not our own)."""
-        for p in self.directory.glob(f"*{TEMP_MARKER}*"):
-            if f"{TEMP_MARKER}{os.getpid()}-" not in p.name:
-                p.unlink(missing_ok=True)
 
     def load_latest(self) -> tuple[dict[str, Any] | None, Path | None]:
         """The newest step checkpoint that loads, and its path; ``(None, None)`` if none. A
