@@ -26,13 +26,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from tpu_helpers.ordering import PredictionError, merge_rank_files
-from tpu_helpers.tpu_lightning import (
-    MERGED_FILE,
-    ExactlyOncePredictionWriter,
-    rank_file,
-    read_predictions,
-)
+from tpu_helpers.ordering import PredictionError, merge_rank_files, rank_file_name
+from tpu_helpers.tpu_lightning import MERGED_FILE, ExactlyOncePredictionWriter, read_predictions
 
 ROW = 3
 
@@ -92,7 +87,7 @@ def test_lightning_predict_sampler_records_merge_exactly_once(tmp_path, world_si
     again = read_predictions(tmp_path)
     np.testing.assert_array_equal(again.values, expected(n))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [MERGED_FILE] + [rank_file(tmp_path, r, world_size).name for r in range(world_size)])
+        [MERGED_FILE] + [rank_file_name(r, world_size) for r in range(world_size)])
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 5, 8])
@@ -142,7 +137,7 @@ def test_files_are_written_atomically_and_are_plain_arrays(tmp_path):
     run_ranks(tmp_path, 20, 4, 3)
     leftovers = [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
     assert leftovers == []
-    with np.load(rank_file(tmp_path, 1, 3), allow_pickle=False) as z:  # no pickled objects
+    with np.load(tmp_path / rank_file_name(1, 3), allow_pickle=False) as z:  # no pickled objects
         assert all(z[k].dtype != object for k in z.files)
     assert json.loads((tmp_path / MERGED_FILE).read_text())["world_size"] == 3
 
@@ -169,7 +164,7 @@ def test_crafted_rank_and_merge_files_are_refused_without_running_code(tmp_path)
     writer.save_rank(0, 1, 2)
     evil = np.empty((2, ROW), dtype=object)
     evil[:] = Payload(marker)
-    path = rank_file(tmp_path / "out", 0, 1)
+    path = tmp_path / "out" / rank_file_name(0, 1)
     buf = io.BytesIO()
     np.savez(buf, index=np.arange(2), mask=np.ones(2, bool), values=evil)
     path.write_bytes(buf.getvalue())

@@ -70,11 +70,6 @@ def trainer_kwargs(devices: int | str | Sequence[int] = "auto", *,
     return {"accelerator": accelerator, "devices": devices, "plugins": [AtomicXLACheckpointIO()]}
 
 
-def rank_file(output_dir: str | Path, rank: int, world_size: int) -> Path:
-    """Where rank ``rank`` of ``world_size`` writes its rows (:func:`ordering.rank_file_name`)."""
-    return Path(output_dir) / rank_file_name(rank, world_size)
-
-
 def read_predictions(output_dir: str | Path) -> Ordered:
     """The merged predictions in dataset order, in any process: merges the rank files again."""
     path = Path(output_dir) / MERGED_FILE
@@ -182,7 +177,8 @@ class ExactlyOncePredictionWriter(BasePredictionWriter):
         values = np.concatenate(self._values) if self._values else np.zeros(0, np.float32)
         if padded:
             index, values = index[index < n], values[index < n]
-        return atomic_write(rank_file(self.output_dir, rank, world_size), lambda f: save_rank_file(
+        path = self.output_dir / rank_file_name(rank, world_size)
+        return atomic_write(path, lambda f: save_rank_file(
             f, index, np.ones(index.shape, bool), values, rank=rank, world_size=world_size, n=n))
 
     def merge(self, world_size: int, n: int) -> Ordered:
@@ -213,7 +209,8 @@ class ExactlyOncePredictionWriter(BasePredictionWriter):
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if trainer.is_global_zero:
             (self.output_dir / MERGED_FILE).unlink(missing_ok=True)
-        rank_file(self.output_dir, trainer.global_rank, trainer.world_size).unlink(missing_ok=True)
+        own = self.output_dir / rank_file_name(trainer.global_rank, trainer.world_size)
+        own.unlink(missing_ok=True)
 
     def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loaders = trainer.predict_dataloaders  # a second one failed at its first batch
