@@ -76,7 +76,7 @@ report["own_rows"] = len(own.index)
 atomic_write(f"{out}/ranks/{rank_file_name(rank, world)}",
              lambda f: save_rank_file(f, own.index, None, own.values, rank=rank,
                                       world_size=world, n=len(ds)))
-backend.barrier("rank files written")
+dist.barrier()  # every rank file is written
 if rank == 0:
     np.save(f"{out}/sharded.npy", merge_rank_files(f"{out}/ranks", world, len(ds)).values)
 # fewer samples (2) than ranks (3), rank files: make_eval_loader's batches (rank 2: padding
@@ -92,7 +92,7 @@ for name, loader in (("padded", make_eval_loader(small, 4 * world, world_size=wo
                  lambda f: save_rank_file(f, mine.index, None, mine.values, rank=rank,
                                           world_size=world, n=2))
     report[f"few-{name}-rows"] = len(mine.index)
-    backend.barrier(name)
+    dist.barrier()
     if rank == 0:
         np.save(f"{out}/few-{name}.npy", merge_rank_files(f"{out}/few-{name}", world, 2).values)
 # small host objects (file names): a host gather, then the same exactly_once

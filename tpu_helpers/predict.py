@@ -81,9 +81,7 @@ class XlaReplicas:
     def device_batches(self, batches, x_dim):
         return pl.MpDeviceLoader(batches, self.device)
 
-    def gather_step(self, out, ids):
-        return gather_step(out, ids)
-
+    gather_step = staticmethod(gather_step)
     to_host = staticmethod(_fetch_pairs)
 
 
@@ -148,9 +146,6 @@ class TorchDistributedReplicas(XlaReplicas):
             dist.all_gather(parts, t.contiguous(), group=self.group)
             gathered.append(torch.cat(parts))
         return gathered
-
-    def barrier(self, tag):
-        dist.barrier(group=self.group)
 
 
 def _describe(obj: Any) -> str:
