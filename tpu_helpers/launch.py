@@ -156,20 +156,13 @@ class _Probe(pickle.Pickler):
         return 0 if isinstance(obj, np.ndarray | torch.Tensor) else None
 
 
-def _pickle_error(obj: Any) -> Exception | None:
-    """What pickling ``obj`` raises, or None."""
-    try:
-        _Probe().dump(obj)
-    except Exception as exc:  # PicklingError, AttributeError, TypeError: all mean "cannot"
-        return exc
-    return None
-
-
 def _unpicklable(obj: Any, where: str, depth: int = 0) -> tuple[str, Any, Exception] | None:
     """The innermost part of ``obj`` that cannot be pickled: (its path, it, the error)."""
-    error = _pickle_error(obj)
-    if error is None:
+    try:
+        _Probe().dump(obj)
         return None
+    except Exception as exc:  # PicklingError, AttributeError, TypeError: all mean "cannot"
+        error = exc
     parts: Any = ()
     if isinstance(obj, functools.partial):
         parts = [(f"{where}.func", obj.func), (f"{where}.args", obj.args)]
