@@ -1,5 +1,5 @@
 """SPMD: a device mesh, where each shard lives, sharded checkpoints saved atomically and loaded
-safely. Taught in notebook 07 (03 and 04 use :func:`device_mesh`). Copy this file alone;
+safely. Taught in notebook 07 (02, 10 and 12 use :func:`device_mesh`). Copy this file alone;
 importing it starts no XLA runtime (call the runtime functions after ``xr.use_spmd()``)."""
 
 import contextlib
@@ -190,24 +190,12 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _group() -> bool:
-    """A ``torch.distributed`` process group is up (one process per host of a pod)."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def _from_coordinator(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (a pickled object over the process group)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _all_hosts_ok(error: BaseException | None, what: str) -> None:
     """Raise on every rank if ``what`` failed on any (none waits for the others forever): the
     own error, else (and for torch's ``CheckpointException``) a :class:`ShardedCheckpointError`."""
     text = None if error is None else f"{type(error).__name__}: {error}"
     texts = [text]
-    if _group():
+    if dist.is_available() and dist.is_initialized():  # one process per host of a pod
         texts = [None] * dist.get_world_size()
         dist.all_gather_object(texts, text)
     if isinstance(error, dist_cp.CheckpointException):
@@ -255,13 +243,16 @@ def save_sharded_checkpoint(state_dict: Mapping[str, Any], directory: str | os.P
     if storage not in ("shared", "local"):
         raise ValueError(f"storage must be 'shared' or 'local', not {storage!r}")
     final = Path(directory)
-    together = _group() and storage == "shared"  # one folder, one coordinator
+    # one folder, one coordinator (a process group: one process per host of a pod)
+    together = dist.is_available() and dist.is_initialized() and storage == "shared"
     lead = not together or dist.get_rank() == 0  # makes the temp folder, renames it
-    tmp = None
+    box = [None]
     if lead:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent)
-    tmp = Path(_from_coordinator(tmp) if together else tmp)
+        box = [tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent)]
+    if together:  # rank 0's folder name on every rank
+        dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
     error = None
     try:
         with _quiet():
