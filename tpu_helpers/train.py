@@ -103,6 +103,12 @@ class TrainingDiverged(FloatingPointError):
     """The training loss became NaN or infinite (the error names the step and the lr)."""
 
 
+@functools.lru_cache(maxsize=16)
+def device_count(n, dtype, device):
+    """``n`` on the device, made once: a Python number in a traced op costs host time per step."""
+    return torch.tensor(n, dtype=dtype, device=device)
+
+
 def train_step(model, optimizer, x, y, loss_fn=F.cross_entropy):
     """One step; returns ``[loss_sum, correct, count]`` summed over replicas, on the device."""
     optimizer.zero_grad(set_to_none=True)
@@ -110,10 +116,9 @@ def train_step(model, optimizer, x, y, loss_fn=F.cross_entropy):
     loss = loss_fn(output, y)
     loss.backward()
     xm.optimizer_step(optimizer)  # all-reduce the gradients across replicas, then step
-    n = y.shape[0]
-    stats = torch.stack([loss.detach() * n, (output.argmax(1) == y).sum(dtype=loss.dtype),
-                         torch.full_like(loss, n)])  # few ops: each costs host time to trace
-    return xm.all_reduce(xm.REDUCE_SUM, stats)  # inside the step's graph: no extra compile
+    n = device_count(y.shape[0], loss.dtype, loss.device)  # few ops: each costs host time
+    stats = torch.stack([loss.detach() * n, (output.argmax(1) == y).sum(dtype=loss.dtype), n])
+    return xm.all_reduce(xm.REDUCE_SUM, stats) if xr.world_size() > 1 else stats  # 1: a clone
 
 
 def step_seed(seed, step, rank=0):
@@ -234,8 +239,8 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
     return run.finish(model)
 
 
-def _compiles() -> int:
-    return int((met.metric_data("CompileTime") or (0,))[0])
+_compiles = lambda: int((met.metric_data("CompileTime") or (0,))[0])  # XLA compiles so far
+_lr = lambda optimizer: float(optimizer.param_groups[0]["lr"])  # a host value: no sync
 
 
 class ResumeMismatch(checkpoint.CheckpointError):
@@ -334,10 +339,6 @@ class Run:
                 storage=c.storage) is not None:
             save_history(Path(c.out_dir) / "history.json", h)
         return h
-
-
-def _lr(optimizer: Any) -> float:
-    return float(optimizer.param_groups[0]["lr"])  # a host value: no sync
 
 
 def _check_finite(loss: float, step: int, lr: float) -> None:
