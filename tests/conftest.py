@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "1")
@@ -27,11 +28,13 @@ sys.path.insert(0, str(REPO / "scripts"))  # repository tooling (notebook_templa
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300,
-               check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh Python (repo root as cwd) and return the finished process."""
+               check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh Python (repo root as cwd) and return the finished process:
+    forked from a server that imported torch (tests/zygote.py); ``fresh=True`` for code that
+    checks what a new interpreter has imported."""
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = zygote.run(["-c", textwrap.dedent(code)], cwd=REPO, env=full_env, timeout=timeout,
+                      fresh=fresh)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -47,8 +50,7 @@ def run_script(folder: Path, name: str, code: str, *args: str,
     script.write_text(code)
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, str(script), *args], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = zygote.run([str(script), *args], cwd=folder, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

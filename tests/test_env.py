@@ -571,8 +571,7 @@ def test_setup_notebook_locally_installs_nothing():
         rt = setup_notebook()
         rt2 = setup_notebook()  # idempotent
         print("CALLS", len(calls), rt.platform, rt == rt2, "torch" in sys.modules)
-        """
-    )
+        """, fresh=True)
     assert "CALLS 0 local True False" in proc.stdout, proc.stdout
     assert "no TPU attached" in proc.stdout
 

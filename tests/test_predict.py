@@ -146,7 +146,7 @@ def test_torch_cpu_tensors_in_numpy_out():
 def test_ordering_imports_no_torch():
     """ordering.py is numpy + stdlib: importing it pulls in neither torch nor torch_xla."""
     proc = run_python("import sys\nimport tpu_helpers.ordering\n"
-                      "print(sorted(m for m in sys.modules if m.startswith('torch')))")
+                      "print(sorted(m for m in sys.modules if m.startswith('torch')))", fresh=True)
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 

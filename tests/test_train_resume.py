@@ -10,11 +10,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import zygote
 from conftest import REPO
 from test_train import digits_npz
 
@@ -28,10 +28,10 @@ METRICS = ("epoch", "steps", "step", "train_loss", "train_acc", "eval_loss", "ev
 
 def train(out: Path, *args: str, check: bool = True,
           devices: int = 1) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "tpu_helpers.train", "--out-dir", str(out), "--log-every", "4",
+    cmd = ["-m", "tpu_helpers.train", "--out-dir", str(out), "--log-every", "4",
            *digits_npz(out.parent), *args]
     env = {**os.environ, "CPU_NUM_DEVICES": str(devices)}  # XLA:CPU devices (for --spmd)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = zygote.run(cmd, cwd=REPO, env=env, timeout=600)  # python -m (tests/zygote.py)
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
