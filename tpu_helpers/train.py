@@ -104,7 +104,7 @@ class TrainingDiverged(FloatingPointError):
 
 
 @functools.lru_cache(maxsize=16)
-def device_count(n, dtype, device):
+def device_scalar(n, dtype, device):
     """``n`` on the device, made once: a Python number in a traced op costs host time per step."""
     return torch.tensor(n, dtype=dtype, device=device)
 
@@ -116,7 +116,7 @@ def train_step(model, optimizer, x, y, loss_fn=F.cross_entropy):
     loss = loss_fn(output, y)
     loss.backward()
     xm.optimizer_step(optimizer)  # all-reduce the gradients across replicas, then step
-    n = device_count(y.shape[0], loss.dtype, loss.device)  # few ops: each costs host time
+    n = device_scalar(y.shape[0], loss.dtype, loss.device)  # few ops: each costs host time
     stats = torch.stack([loss.detach() * n, (output.argmax(1) == y).sum(dtype=loss.dtype), n])
     return xm.all_reduce(xm.REDUCE_SUM, stats) if xr.world_size() > 1 else stats  # 1: a clone
 
