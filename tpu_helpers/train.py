@@ -156,7 +156,7 @@ def dict_step(model, optimizer, batch, _, loss_fn):
     loss, stats = dict_stats(model, batch, loss_fn)
     loss.backward()
     xm.optimizer_step(optimizer)
-    return xm.all_reduce(xm.REDUCE_SUM, stats)
+    return xm.all_reduce(xm.REDUCE_SUM, stats) if xr.world_size() > 1 else stats
 
 
 def evaluate(model, batches, loss_fn=F.cross_entropy):
@@ -173,7 +173,7 @@ def evaluate(model, batches, loss_fn=F.cross_entropy):
                 loss = loss_fn(output, y, reduction="none")
                 stats = torch.stack([(loss * m).sum(), ((output.argmax(1) == y) & mask).sum()
                                      .float(), m.sum()])
-            totals = totals + xm.all_reduce(xm.REDUCE_SUM, stats)
+            totals += xm.all_reduce(xm.REDUCE_SUM, stats) if xr.world_size() > 1 else stats
     model.train()
     return totals
 
