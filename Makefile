@@ -20,7 +20,7 @@ export UV_PYTHON_DOWNLOADS := never
 # torch._inductor.async_compile is imported, if triton imports (torch 2.8.0
 # torch/_inductor/async_compile.py, end of module; 2.9.0 only when inductor compiles). torch_xla
 # imports it, so every Python process of ours on 2.8 paid about 3 s of CPU for it here (measured:
-# `import torch_xla` plus one op, 7.2 s CPU with the pool, 4.2 s without). Our venvs hold PyPI's
+# `import torch_xla` plus one op, 7.1-7.2 s CPU with the pool, 4.2-4.4 s without). Our venvs hold PyPI's
 # CUDA build of torch, which brings triton; the platforms ship torch's +cpu builds, which do not
 # require it. The pool serves only Triton (GPU) kernels, which nothing here compiles: off, for
 # every target.
