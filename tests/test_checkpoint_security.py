@@ -170,8 +170,9 @@ import torch
 import torch_xla, torch_xla.runtime as xr
 xr.use_spmd()
 import torch_xla.distributed.spmd as xs
-from tpu_helpers.spmd import (ShardedCheckpointError, device_mesh, load_sharded_checkpoint,
-                              save_sharded_checkpoint)
+from course.sharding import (ShardedCheckpointError, load_sharded_checkpoint,
+                             save_sharded_checkpoint)
+from tpu_helpers.spmd import device_mesh
 
 out, marker = sys.argv[1], sys.argv[2]
 class Payload:
@@ -192,7 +193,7 @@ def attempt(name):
 meta = good / ".metadata"
 original = meta.read_bytes()
 import dataclasses
-from tpu_helpers.spmd import _SafeReader
+from course.sharding import _SafeReader
 traversal = _SafeReader(good).read_metadata()  # the real metadata, one path changed
 traversal.storage_data = {k: dataclasses.replace(v, relative_path="../../x.distcp")
                           for k, v in traversal.storage_data.items()}

@@ -4,7 +4,7 @@ Importing it (or any module in it) never touches the XLA device. Modules (notebo
 - ``env``: runtime detection, XLA:CPU emulation, versions (00); ``metrics``: XLA counts, limits (05)
 - ``data``: checked data, fixed-shape loaders (01); ``device_loader``: strict MpDeviceLoader (02)
 - ``checkpoint``: atomic, safely loaded checkpoints; ``train``: the training loop, ``fit`` (03)
-- ``launch``: torch_xla.launch naming the failing rank (03); ``spmd``: meshes, shards (07)
+- ``launch``: torch_xla.launch naming the failing rank (03); ``spmd``: meshes, annotations (07)
 - ``ordering``: exactly-once ordering, rank files; ``predict``: predictions from every replica (04)
 - ``tpu_lightning``: Lightning 2.6 Trainer arguments, atomic checkpoint IO, prediction writer (06)
 - ``buckets``: text of any length in length buckets (09)

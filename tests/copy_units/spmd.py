@@ -1,22 +1,27 @@
 # copies: spmd.py
-# SPMD over 4 virtual XLA:CPU devices: a mesh, a sharded tensor, a sharded checkpoint saved
-# and loaded back. CPU_NUM_DEVICES must be set before torch_xla starts its runtime.
+# SPMD over 4 virtual XLA:CPU devices: a mesh (its shape checked), a tensor sharded on it and
+# its annotation. CPU_NUM_DEVICES must be set before torch_xla starts its runtime. (Where each
+# shard lives and sharded checkpoints are course code: course/sharding.py, notebook 07.)
 import os
 os.environ["CPU_NUM_DEVICES"] = "4"
-import tempfile
 import torch, torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
-from spmd import device_mesh, load_sharded_checkpoint, save_sharded_checkpoint, sharding_summary
+from spmd import device_mesh, jax_lowers_for_gspmd, mesh_shapes, resolve_mesh_shape, sharding_spec
 xr.use_spmd()
+assert mesh_shapes(4, 2) == [(1, 4), (2, 2), (4, 1)]
+assert resolve_mesh_shape(4, ("fsdp", "model"), (-1, 2)) == (2, 2)
 mesh = device_mesh(("data", "model"), (2, 2))
+assert tuple(mesh.mesh_shape) == (2, 2), mesh.mesh_shape
+try:
+    device_mesh(("data", "model"), (4, 4))
+    raise AssertionError("a (4, 4) mesh was accepted on 4 devices")
+except ValueError as exc:
+    assert "(1, 4), (2, 2), (4, 1)" in str(exc), exc  # the shapes that fit
 w = torch.randn(8, 6).to(torch_xla.device())
+assert sharding_spec(w) == "" and sharding_spec(torch.zeros(2)) == ""  # not annotated
 xs.mark_sharding(w, mesh, ("data", "model"))
-row, = sharding_summary({"w": w})
-assert row["copies"] == 1 and row["fraction"] == 0.25, row
-folder = save_sharded_checkpoint({"w": w}, os.path.join(tempfile.mkdtemp(), "ck"))
-back = {"w": torch.zeros(8, 6).to(torch_xla.device())}
-xs.mark_sharding(back["w"], mesh, ("data", "model"))
-load_sharded_checkpoint(back, folder)
-assert torch.equal(back["w"].cpu(), w.cpu())
+assert sharding_spec(w) == "{devices=[2,2]0,1,2,3}", sharding_spec(w)
+assert torch.equal((w * 2).cpu(), w.cpu() * 2)
+print(jax_lowers_for_gspmd())
 print("ok")
