@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: pattern -> why a test that matches it can behave differently on 2.8 and 2.9
 LINE_SENSITIVE = {
-    r"\b(import|from) (lightning|pytorch_lightning)\b|\btpu_lightning\b":
+    r"\b(import|from) (lightning|pytorch_lightning)\b|\b(tpu_lightning|lightning_writer)\b":
         "Lightning calls torch_xla from its own code (strategies, precision plugins)",
     r"\b(import|from) (transformers|accelerate)\b|\bcourse\.hf\b":
         "transformers' Trainer and accelerate call torch_xla internals (REFERENCE 10)",

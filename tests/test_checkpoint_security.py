@@ -135,8 +135,8 @@ def test_lightning_trainer_fit_from_the_file_is_refused(tmp_path, marker):
 def test_lightning_rank_and_merged_files_are_refused(tmp_path, marker):
     """The Lightning writer's files use predict's rank-file protocol: npz read without pickle
     and a JSON record; a crafted rank file or record is refused by name, no code runs."""
+    from course.lightning_writer import MERGED_FILE, read_predictions
     from tpu_helpers.ordering import rank_file_name
-    from tpu_helpers.tpu_lightning import MERGED_FILE, read_predictions
 
     (tmp_path / MERGED_FILE).write_text(json.dumps({"world_size": 1, "n": 2}))
     (tmp_path / rank_file_name(0, 1)).write_bytes(pickle.dumps(Payload(marker)))

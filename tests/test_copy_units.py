@@ -1,8 +1,8 @@
 """A user copies a toolkit unit into their own project: it must work there alone.
 
 Each script in ``tests/copy_units/`` names on its first line the toolkit files a user copies
-(``# copies: data.py``: a unit is one file or a declared pair; tpu_lightning.py is a unit
-of three, train.py of four). The test copies
+(``# copies: data.py``: a unit is one file or a declared pair; train.py is a
+unit of four). The test copies
 exactly those files into a temporary folder outside the repository and runs the script there
 in a fresh Python with the repository off ``sys.path`` and ``tpu_helpers`` and ``course`` made
 unimportable (so a hidden import of anything else fails), on XLA:CPU. The script prints
@@ -82,12 +82,11 @@ def copied_files(script: Path) -> list[str]:
 
 
 SCRIPTS = sorted(UNITS.glob("*.py"))
-#: The units of more than two files: Lightning's checkpoint IO needs checkpoint.py (atomic
-#: writes, safe loads) and its prediction writer needs ordering.py (the rank-file format and the
-#: exactly-once merge shared with predict.py); train.py's checkpoints need checkpoint.py, its
-#: loaders are data.py's (one make_train_loader, one make_eval_loader in the toolkit) and it
-#: runs fit on every replica with launch.py (which is a unit alone: your own loop, no fit).
-LARGER_UNITS = {"tpu_lightning": 3, "train": 4}
+#: The unit of more than two files: train.py's checkpoints need checkpoint.py, its loaders are
+#: data.py's (one make_train_loader, one make_eval_loader in the toolkit) and it runs fit on
+#: every replica with launch.py (which is a unit alone: your own loop, no fit). Lightning's
+#: unit is a pair: its checkpoint IO needs checkpoint.py (atomic writes, safe loads).
+LARGER_UNITS = {"train": 4}
 
 
 def test_every_toolkit_module_is_a_tested_copy_unit():

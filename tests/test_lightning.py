@@ -32,14 +32,10 @@ from course.lightning_demo import (
     lightning_processes,
     trainer_kwargs_here,
 )
+from course.lightning_writer import ExactlyOncePredictionWriter, read_predictions
 from tpu_helpers.data import ArrayDataset
 from tpu_helpers.env import EnvironmentProblem, Runtime, layout_for
-from tpu_helpers.tpu_lightning import (
-    AtomicXLACheckpointIO,
-    ExactlyOncePredictionWriter,
-    read_predictions,
-    trainer_kwargs,
-)
+from tpu_helpers.tpu_lightning import AtomicXLACheckpointIO, trainer_kwargs
 
 QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 V5E_8 = Runtime(platform="kaggle", tpu_generation="v5e", chips=8, layout=layout_for("v5e", 8))

@@ -68,9 +68,9 @@ from torch.utils.data import DataLoader
 
 from course.datasets import load_digits
 from course.lightning_demo import DigitsData, LitDigits, XLACountsCallback, read_counts
+from course.lightning_writer import ExactlyOncePredictionWriter, read_predictions
 from tpu_helpers.data import ArrayDataset
-from tpu_helpers.tpu_lightning import (AtomicXLACheckpointIO, ExactlyOncePredictionWriter,
-                                       read_predictions)
+from tpu_helpers.tpu_lightning import AtomicXLACheckpointIO
 
 WORLD = 8
 

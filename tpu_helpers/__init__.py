@@ -6,7 +6,7 @@ Importing it (or any module in it) never touches the XLA device. Modules (notebo
 - ``checkpoint``: atomic, safely loaded checkpoints; ``train``: the training loop, ``fit`` (03)
 - ``launch``: torch_xla.launch naming the failing rank (03); ``spmd``: meshes, annotations (07)
 - ``ordering``: exactly-once ordering, rank files; ``predict``: predictions from every replica (04)
-- ``tpu_lightning``: Lightning 2.6 Trainer arguments, atomic checkpoint IO, prediction writer (06)
+- ``tpu_lightning``: Lightning 2.6 Trainer arguments, atomic checkpoint IO (06)
 - ``buckets``: text of any length in length buckets (09)
 - ``doctor`` (with ``doctor_run``): a tool beside the library that reads a script and says what
   will go wrong on a TPU; ``python -m tpu_helpers.doctor`` / ``tpu-doctor`` (05)
