@@ -4,7 +4,8 @@ annotation, no copy) and sharded checkpoints saved atomically and loaded safely
 Taught in notebook 07: the summary from section 3, the placements in section 7's figures
 (``course/plots.py``), the checkpoints in section 9. Moved here from the toolkit's
 ``tpu_helpers/spmd.py`` because only that notebook uses it (issue 28); the package ships it as
-``course.sharding``. Of the repository it imports ``tpu_helpers.spmd`` (``sharding_spec``) only;
+``course.sharding``. Of the repository it imports ``tpu_helpers.spmd`` (``sharding_spec``) and
+``tpu_helpers.checkpoint`` (``fsync_folder``, the folder sync of ``atomic_write``);
 importing it starts no XLA runtime (call the runtime functions after ``xr.use_spmd()``)."""
 
 import contextlib
@@ -31,6 +32,7 @@ import torch_xla.runtime as xr
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 
+from tpu_helpers.checkpoint import fsync_folder
 from tpu_helpers.spmd import sharding_spec
 
 
@@ -152,12 +154,7 @@ def _swap_into_place(tmp: Path, final: Path) -> None:
     if final.exists():
         os.replace(final, old)  # a folder cannot be renamed over a full one
     os.replace(tmp, final)
-    with contextlib.suppress(OSError):  # make the rename durable where folders open
-        fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_folder(final.parent)  # make the rename durable, as atomic_write does for a file
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -126,15 +126,20 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any])
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    try:  # make the rename durable (some file systems cannot fsync a folder)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_folder(path.parent)
+    return path
+
+
+def fsync_folder(folder: str | os.PathLike[str]) -> None:
+    """Make the renames in ``folder`` durable (some file systems cannot fsync a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
+            os.fsync(fd)
         finally:
-            os.close(dir_fd)
+            os.close(fd)
     except OSError:
         pass
-    return path
 
 
 def write_atomically(path: str | os.PathLike[str], obj: Any) -> Path:
