@@ -108,10 +108,10 @@ def test_train_loader_drops_the_ragged_tail_instead_of_repeating():
                             world_size=4, rank=0)
 
 
-def test_per_replica_batch_divides_the_global_batch():
-    assert D.per_replica_batch(64, 8) == 8 and D.per_replica_batch(64, 1) == 64
+def test_split_global_batch_divides_the_global_batch():
+    assert D.split_global_batch(64, 8) == 8 and D.split_global_batch(64, 1) == 64
     with pytest.raises(D.DataError, match="global batch 64 does not divide over 3 replicas"):
-        D.per_replica_batch(64, 3)
+        D.split_global_batch(64, 3)
 
 
 def test_both_loaders_take_the_global_batch():
@@ -169,9 +169,9 @@ def test_train_loader_too_small_is_clear_and_eval_still_works():
     assert sorted(rows) == list(range(6))
 
 
-def test_eval_shard_indices_small_example():
+def test_replica_eval_indices_small_example():
     # 10 rows, batch 2, 3 replicas: padded to 12, dealt round-robin
-    got = [D.eval_shard_indices(10, 2, 3, r).tolist() for r in range(3)]
+    got = [D.replica_eval_indices(10, 2, 3, r) for r in range(3)]
     assert got == [[0, 3, 6, 9], [1, 4, 7, -1], [2, 5, 8, -1]]
 
 

@@ -148,16 +148,17 @@ def test_empty_dataset(tmp_path):
     with pytest.raises(D.DataError, match="empty"):
         D.make_train_loader([], 4, world_size=2, rank=0)
     with pytest.raises(D.DataError, match="empty"):
-        D.eval_shard_indices(0, 4, 2, 0)
+        D.make_eval_loader([], 4, world_size=1, rank=0)
 
 
 def test_mismatched_lengths_and_bad_arguments():
     with pytest.raises(D.DataError, match="3 images but 2 labels"):
         D.ArrayDataset(np.zeros((3, 2), np.float32), [0, 1])
+    ten = D.ArrayDataset(np.zeros((10, 2), np.float32), np.arange(10) % 2)
     with pytest.raises(D.DataError, match=r"rank 8 is not in 0\.\.7"):
-        D.eval_shard_indices(10, 2, 8, 8)
-    with pytest.raises(D.DataError, match="per_replica_batch must be >= 1"):
-        D.eval_shard_indices(10, 0, 1, 0)
+        D.make_eval_loader(ten, 16, world_size=8, rank=8)
+    with pytest.raises(D.DataError, match="global_batch must be >= 1"):
+        D.make_eval_loader(ten, 0, world_size=1, rank=0)
     with pytest.raises(D.DataError, match="split must be one of"):
         DS.load_digits("valid")
 

@@ -253,7 +253,7 @@ def test_checking_collate_keeps_the_default_format():
     ds = OddItem(bad=-5)  # every item fine
     loader = D.make_eval_loader(ds, 8, world_size=2, rank=1)  # global 8: 4 per replica
     padded = D.PaddedEvalDataset(ds)
-    for got, idx in zip(loader, D.eval_shard_indices(10, 4, 2, 1).reshape(-1, 4),
+    for got, idx in zip(loader, np.reshape(D.replica_eval_indices(10, 4, 2, 1), (-1, 4)),
                         strict=True):
         want = default_collate([padded[int(i)] for i in idx])
         assert isinstance(got, list) and len(got) == 4

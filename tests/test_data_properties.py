@@ -26,8 +26,9 @@ batches = st.integers(1, 64)
 @example(n=6, world_size=8, batch_size=1)  # the custom-dataset article's 6 samples on 8 cores
 @example(n=1, world_size=8, batch_size=64)
 @example(n=500, world_size=8, batch_size=64)
-def test_eval_shard_indices_exactly_once(n, world_size, batch_size):
-    shards = [D.eval_shard_indices(n, batch_size, world_size, r) for r in range(world_size)]
+def test_replica_eval_indices_exactly_once(n, world_size, batch_size):
+    shards = [np.asarray(D.replica_eval_indices(n, batch_size, world_size, r))
+              for r in range(world_size)]
     lengths = {len(s) for s in shards}
     assert len(lengths) == 1, "replicas would run different numbers of steps"
     (length,) = lengths

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
 from tpu_helpers.checkpoint import atomic_write
-from tpu_helpers.data import eval_shard_indices, make_eval_loader
+from tpu_helpers.data import make_eval_loader, replica_eval_indices
 from tpu_helpers.ordering import (
     OrderedBuffer,
     PredictionError,
@@ -48,7 +48,8 @@ def gathered_like_all_gather(n: int, batch: int, world: int) -> tuple[np.ndarray
     """What ``xm.all_gather`` hands the host: per step, every replica's batch in rank
     order -> index/mask ``[steps, world * batch]``, values ``[steps, world * batch, 3]``.
     Padding rows get garbage values (they must never reach the result)."""
-    shards = [eval_shard_indices(n, batch, world, r).reshape(-1, batch) for r in range(world)]
+    shards = [np.asarray(replica_eval_indices(n, batch, world, r)).reshape(-1, batch)
+              for r in range(world)]
     index = np.concatenate(shards, axis=1)
     mask = index >= 0
     values = np.where(mask[..., None], reference(index), 1e9)
@@ -194,7 +195,7 @@ def test_bad_rows_are_named():
 
 def _write_rank_files(folder, n: int, world: int, batch: int) -> None:
     for r in range(world):
-        idx = eval_shard_indices(n, batch, world, r)
+        idx = np.asarray(replica_eval_indices(n, batch, world, r))
         atomic_write(folder / rank_file_name(r, world),
                      lambda f, idx=idx, r=r: save_rank_file(f, idx, idx >= 0, reference(idx),
                                                             rank=r, world_size=world, n=n))

@@ -37,7 +37,7 @@ import json, os, sys
 import numpy as np, pandas as pd, torch, torch.distributed as dist
 import torch_xla
 from tpu_helpers.checkpoint import atomic_write
-from tpu_helpers.data import ArrayDataset, PaddedEvalDataset, eval_shard_indices, make_eval_loader
+from tpu_helpers.data import ArrayDataset, PaddedEvalDataset, make_eval_loader, replica_eval_indices
 from tpu_helpers.ordering import exactly_once, merge_rank_files, rank_file_name, save_rank_file
 from course.datasets import load_digits
 from course.models import DigitsCNN
@@ -96,7 +96,7 @@ for name, loader in (("padded", make_eval_loader(small, 4 * world, world_size=wo
     if rank == 0:
         np.save(f"{out}/few-{name}.npy", merge_rank_files(f"{out}/few-{name}", world, 2).values)
 # small host objects (file names): a host gather, then the same exactly_once
-idx = eval_shard_indices(len(ds), 16, world, rank)
+idx = np.asarray(replica_eval_indices(len(ds), 16, world, rank))
 names = np.array([f"digit-{i:04d}.png" if i >= 0 else "" for i in idx], dtype=object)
 parts = [None] * world
 dist.all_gather_object(parts, (idx, names))

@@ -131,14 +131,14 @@ def _replica(world_size: int | None, rank: int | None) -> tuple[int, int]:
     return int(world_size), int(rank)
 
 
-def _check_batch(n: int, batch: int, name: str = "per_replica_batch") -> None:
+def _check_batch(n: int, batch: int, name: str = "global_batch") -> None:
     if batch < 1:
         raise DataError(f"{name} must be >= 1, got {batch}.")
     if n == 0:
         raise DataError("the dataset is empty (0 samples): nothing to load.")
 
 
-def per_replica_batch(global_batch, world_size):
+def split_global_batch(global_batch, world_size):
     """One optimizer step takes ``global_batch`` rows over all replicas; each loads its share."""
     if global_batch % world_size:
         raise DataError(f"global batch {global_batch} does not divide over {world_size} "
@@ -167,8 +167,8 @@ def make_train_loader(dataset: Dataset, global_batch: int, *,
     ``loader.sampler.set_epoch(epoch)`` each epoch."""
     ws, rk = _replica(world_size, rank)
     n = len(dataset)
-    _check_batch(n, global_batch, "global_batch")
-    batch = per_replica_batch(global_batch, ws)
+    _check_batch(n, global_batch)
+    batch = split_global_batch(global_batch, ws)
     per_replica = n // ws
     if per_replica < batch:
         raise DataError(f"training set too small: {n} samples over {ws} replica(s) gives "
@@ -242,18 +242,11 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
 
 
 def replica_eval_indices(n, per_replica_batch, world_size, rank):
-    """The indices ``0..n-1`` padded with ``-1`` to whole steps, dealt round-robin."""
+    """The dataset indices replica ``rank`` evaluates: ``0..n-1`` padded with ``-1`` to whole
+    steps (every replica as many full batches), dealt round-robin, each index once. Pure."""
     per_step = per_replica_batch * world_size           # rows one step takes, all replicas
     padded = list(range(n)) + [-1] * (-n % per_step)    # pad to whole steps with -1
     return padded[rank::world_size]                      # dealt like DistributedSampler
-
-
-def eval_shard_indices(n: int, per_replica_batch: int, world_size: int, rank: int) -> np.ndarray:
-    """The dataset indices replica ``rank`` evaluates (:func:`replica_eval_indices`, checked):
-    ``-1`` pads every replica to as many full batches (each index on one replica, once). Pure."""
-    _check_batch(n, per_replica_batch)
-    _replica(world_size, rank)
-    return np.asarray(replica_eval_indices(n, per_replica_batch, world_size, rank), dtype=np.int64)
 
 
 class PaddedEvalDataset(Dataset):
@@ -291,8 +284,8 @@ def make_eval_loader(dataset: Dataset, global_batch: int, *,
     :func:`replica_eval_loader`, checked: full ``(x, y, index, mask)`` batches, as many on
     every replica; each dataset index is in one unmasked row. Reduce with the mask."""
     ws, rk = _replica(world_size, rank)
-    _check_batch(len(dataset), global_batch, "global_batch")
-    return replica_eval_loader(dataset, per_replica_batch(global_batch, ws), ws, rk,
+    _check_batch(len(dataset), global_batch)
+    return replica_eval_loader(dataset, split_global_batch(global_batch, ws), ws, rk,
                                num_workers=num_workers, collate_fn=_collate_eval)
 
 
