@@ -185,7 +185,12 @@ def make_loaders(train_set: Dataset, eval_set: Dataset | None, config: Any, worl
                  rank: int) -> tuple[DataLoader, DataLoader | None]:
     """``train.fit``'s loaders for this replica: :func:`make_train_loader` and
     :func:`make_eval_loader` (or None) from ``config.global_batch``, ``eval_global_batch``
-    and ``seed`` (GLOBAL batches)."""
+    and ``seed`` (GLOBAL batches). Both sets need ``(x, y)`` items: the loss reads ``y``."""
+    for name, dataset in (("training", train_set), ("evaluation", eval_set)):
+        first = None if dataset is None or not len(dataset) else item_fields(dataset[0])
+        if first is not None and len(first) != 2:
+            raise DataError(f"{name} set: dataset index 0 has {len(first)} field(s), not (x, y): "
+                            "train and evaluate need a label per item (predict does not).")
     train = make_train_loader(train_set, config.global_batch, world_size=world, rank=rank,
                               seed=config.seed)
     return train, None if eval_set is None else make_eval_loader(
@@ -249,28 +254,47 @@ def replica_eval_indices(n, per_replica_batch, world_size, rank):
     return padded[rank::world_size]                      # dealt like DistributedSampler
 
 
+def item_fields(item: Any) -> tuple[Any, ...]:
+    """A dataset item as fields: a tuple's or list's elements (``(x, y)``, ``(x,)``), else the
+    item itself (an unlabelled tensor, array or dict), so ``fields[0]`` is the model's input."""
+    return tuple(item) if isinstance(item, tuple | list) else (item,)
+
+
+def _as_tensors(value: Any, blank: bool = False) -> Any:
+    """Tensors of a field (a dict's values, a string kept), or zeros like them (``blank``)."""
+    if isinstance(value, Mapping):
+        return {k: _as_tensors(v, blank) for k, v in value.items()}
+    if isinstance(value, str | bytes):
+        return type(value)() if blank else value
+    value = torch.as_tensor(value)
+    return torch.zeros_like(value) if blank else value
+
+
 class PaddedEvalDataset(Dataset):
-    """Item ``i`` is ``(x, y, i, True)``; item ``-1`` is ``(zeros, zeros, -1, False)``."""
+    """Item ``i`` is ``(*fields, i, True)``: ``(x, y, i, True)`` for an ``(x, y)`` item,
+    ``(x, i, True)`` for an unlabelled one (:func:`item_fields`); item ``-1`` is item 0's
+    fields zeroed, ``-1``, ``False``."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
-        self._padding: tuple[torch.Tensor, ...] | None = None  # built once, from item 0
+        self._padding: tuple[Any, ...] | None = None  # built once, from item 0
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
         if index < 0:
             if self._padding is None:
-                x, y = (torch.zeros_like(torch.as_tensor(v)) for v in self.dataset[0])
-                self._padding = (x, y, torch.tensor(-1), torch.tensor(False))
+                blank = (_as_tensors(v, blank=True) for v in item_fields(self.dataset[0]))
+                self._padding = (*blank, torch.tensor(-1), torch.tensor(False))
             return self._padding
-        x, y = (torch.as_tensor(v) for v in self.dataset[index])
-        return x, y, torch.tensor(index, dtype=torch.int64), torch.tensor(True)
+        fields = (_as_tensors(v) for v in item_fields(self.dataset[index]))
+        return *fields, torch.tensor(index, dtype=torch.int64), torch.tensor(True)
 
 
 def replica_eval_loader(dataset, per_replica_batch, world_size, rank, **loader_args):
-    """Batches of ``(x, y, index, mask)``; padding rows are ``(zeros, zeros, -1, False)``."""
+    """Batches of ``(*fields, index, mask)`` (:class:`PaddedEvalDataset`); padding rows are
+    zeros, ``-1``, ``False``."""
     return DataLoader(PaddedEvalDataset(dataset), batch_size=per_replica_batch,
                       sampler=replica_eval_indices(len(dataset), per_replica_batch, world_size,
                                                    rank),
@@ -281,8 +305,9 @@ def make_eval_loader(dataset: Dataset, global_batch: int, *,
                      world_size: int | None = None, rank: int | None = None,
                      num_workers: int = 0) -> DataLoader:
     """This replica's evaluation loader for ``global_batch`` rows per step:
-    :func:`replica_eval_loader`, checked: full ``(x, y, index, mask)`` batches, as many on
-    every replica; each dataset index is in one unmasked row. Reduce with the mask."""
+    :func:`replica_eval_loader`, checked: full ``(x, y, index, mask)`` batches (``(x, index,
+    mask)`` for unlabelled items), as many on every replica; each dataset index is in one
+    unmasked row. Reduce with the mask."""
     ws, rk = _replica(world_size, rank)
     _check_batch(len(dataset), global_batch)
     return replica_eval_loader(dataset, split_global_batch(global_batch, ws), ws, rk,
@@ -321,7 +346,7 @@ def _odd_item(items: Sequence[Any], odd: int, ref: int,
     field = "the item"
     if isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
         i = next(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
-        field = ("x", "y")[i] if len(got) == 2 else f"element {i}"
+        field = ("x", "y")[i] if len(got) == 2 else "x" if len(got) == 1 else f"element {i}"
         got, want = got[i], want[i]
     index = index_of(odd)
     if index == -1:
@@ -349,9 +374,9 @@ def _checked_collate(batch: list, items: Sequence[Any], ref: int,
 
 
 def _collate_eval(batch: list[tuple]) -> Any:
-    """``(x, y, index, mask)`` rows: ``x``, ``y`` checked against the first real row's."""
-    ref = next((i for i, row in enumerate(batch) if row[3]), 0)
-    return _checked_collate(batch, [row[:2] for row in batch], ref, lambda i: int(batch[i][2]))
+    """``(*fields, index, mask)`` rows: the fields checked against the first real row's."""
+    ref = next((i for i, row in enumerate(batch) if row[-1]), 0)
+    return _checked_collate(batch, [row[:-2] for row in batch], ref, lambda i: int(batch[i][-2]))
 
 
 def _collate_train(batch: list) -> Any:

@@ -1,8 +1,9 @@
 """Predictions from every replica, exactly once, in dataset order: the loop and the backends.
 
-Taught in notebook 04; needs ``ordering.py``. Batches are ``(x, ..., index, mask)``
-(``data.make_eval_loader``) or length-bucket dicts (``buckets.collate``: the model gets ``(tokens,
-mask)``). Backends only move rows. Importing this module does not touch the XLA device.
+Taught in notebooks 04 and 13; needs ``ordering.py``. Batches are ``(x, ..., index, mask)``
+(``data.make_eval_loader``, labelled or not: the model gets ``x``, a tensor or a dict of them) or
+length-bucket dicts (``buckets.collate``: the model gets ``(tokens, mask)``). Backends only move
+rows. Importing this module does not touch the XLA device.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ class SpmdMesh:
         return (self.axis,) + (None,) * (ndim - 1)
 
     def device_batches(self, batches, x_dim):
+        if x_dim is None:
+            raise PredictionError("SpmdMesh shards a tensor input; this loader's input is a "
+                                  "dict: predict its tensor, or run under torch_xla.launch.")
         sharding = {"x": xs.ShardingSpec(self.mesh, self._spec(x_dim)),
                     "mask": xs.ShardingSpec(self.mesh, self._spec(x_dim)),  # dict batches
                     "ids": xs.ShardingSpec(self.mesh, self._spec(2))}
@@ -192,11 +196,13 @@ def pack_batch(batch: Any, step: int, batch_size: int | None) -> dict[str, torch
         raise PredictionError(
             f"batch {step} ends with {_describe(index)} and {_describe(mask)}; expected the "
             "dataset index (int64 [B], -1 on padding) and the mask (bool [B], True = real).")
-    if not isinstance(x, torch.Tensor):
-        raise PredictionError(f"batch {step}: the input is {_describe(x)}, not a tensor.")
+    inputs = list(x.values()) if isinstance(x, dict) else [x]
+    if not inputs or not all(isinstance(t, torch.Tensor) and t.dim() for t in inputs):
+        raise PredictionError(f"batch {step}: the input is {_describe(x)}, not a tensor or a "
+                              "dict of tensors with a batch axis.")
     rows = int(index.shape[0])
     batch_size = rows if batch_size is None else batch_size
-    if rows != batch_size or x.dim() == 0 or x.shape[0] != rows:
+    if rows != batch_size or any(t.shape[0] != rows for t in inputs):
         raise PredictionError(
             f"batch {step} has {rows} rows (dataset indices {index[mask][:4].tolist()}...), "
             f"batch 0 had {batch_size}: a partial batch compiles a second graph and hangs "
@@ -219,8 +225,9 @@ class _CheckedBatches:
             return
         if batch is None:
             raise PredictionError("the loader yields no batches: nothing to predict.")
-        x = pack_batch(batch, 0, None)["x"]
-        self.rows, self.x_dim = int(x.shape[0]), x.dim()
+        x = pack_batch(batch, 0, None)["x"]  # a dict input: x_dim None (SpmdMesh refuses it)
+        self.rows = int(next(iter(x.values())).shape[0] if isinstance(x, dict) else x.shape[0])
+        self.x_dim = None if isinstance(x, dict) else x.dim()
 
     def __iter__(self):
         try:
