@@ -137,7 +137,7 @@ test-one: $(STAMP)
 # dependencies, into an overlay folder on PYTHONPATH (built once, rebuilt when that file changes);
 # the venvs and their requirements are untouched, and a check refuses an overlay that shadows a
 # venv package. The plugin (scripts/jax_lane) fails a notebook whose processes did not all have
-# jax on their path (02 03 04 07 10 11 12 import it: SPMD, sharding, scan, MpDeviceLoader's
+# jax on their path (02 03 04 07 10 11 12 13 import it: SPMD, sharding, scan, MpDeviceLoader's
 # profiler trace, FSDPv2; the others run with it present, as on the platforms), and runs the jax
 # paths' tests. Its own artifact: on a host without TPU chips, jax's backend start sets
 # TPU_SKIP_MDS_QUERY=1 (jax/_src/cloud_tpu_init.py), after which torch_xla's tpu.version() needs
@@ -152,7 +152,7 @@ LANES_DIR := $(CURDIR)/outputs/lanes
 JAX_WITHOUT := 06_lightning_on_tpu
 JAX_NOTEBOOKS := $(addprefix notebooks/,02_parallel_loader.ipynb 03_multicore_training.ipynb \
   04_prediction_gathering.ipynb 07_model_sharding_spmd.ipynb 10_bigger_than_one_chip.ipynb \
-  11_hugging_face_on_tpu.ipynb 12_accelerate_and_fsdp_v2.ipynb)
+  11_hugging_face_on_tpu.ipynb 12_accelerate_and_fsdp_v2.ipynb 13_your_data_to_a_submission.ipynb)
 JAX_TESTS := tests/test_jax_paths.py tests/test_jax_lane.py tests/test_text_model.py
 PLATFORM_TESTS := $(JAX_TESTS)
 

@@ -32,6 +32,7 @@ NOTEBOOKS = {
     "00_environment": [], "04_prediction_gathering": [], "06_lightning_on_tpu": [],
     "07_model_sharding_spmd": [], "09_transformers_variable_length": [],
     "10_bigger_than_one_chip": [], "11_hugging_face_on_tpu": [], "12_accelerate_and_fsdp_v2": [],
+    "13_your_data_to_a_submission": [],
     "01_dataset_setup": ["ragged-batches@nb01-19b"],  # drop_last=False, shown and measured
     "02_parallel_loader": ["ragged-batches@nb02-07"],  # the custom-dataset article's loader
     "03_multicore_training": ["launch-nprocs@259d9cf6"],  # the article's xmp.spawn(nprocs=8)
