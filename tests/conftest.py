@@ -183,7 +183,7 @@ def kill_mid_write(folder: Path, code: str, *, ready: str, min_bytes: int,
                    marker: str = ".tmp-") -> tuple[subprocess.Popen[str], list[Path]]:
     """Run ``code`` (argv[1] = ``folder``); once it prints ``ready`` and a temp file
     (``marker`` in its name) in ``folder`` has ``min_bytes``, SIGKILL it. Returns the
-    process and the temp files seen at the kill (empty: the kill did not land mid-write)."""
+    process and the temp files there at the kill (empty: the kill did not land mid-write)."""
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     temp: list[Path] = []
@@ -191,10 +191,17 @@ def kill_mid_write(folder: Path, code: str, *, ready: str, min_bytes: int,
         assert proc.stdout.readline().strip() == ready, proc.stderr.read()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            temp = [p for p in folder.iterdir() if marker in p.name]
-            if temp and temp[0].stat().st_size > min_bytes:
-                break
+            try:
+                if any(p.stat().st_size > min_bytes for p in folder.iterdir() if marker in p.name):
+                    break
+            except FileNotFoundError:  # renamed into place between the listing and the stat
+                pass
             time.sleep(0.002)
+        # Freeze it, then look again: the temp files returned are those the kill leaves (a
+        # write that ended between the look and the kill would pass for one cut short).
+        os.kill(proc.pid, signal.SIGSTOP)
+        os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)  # not reaped
+        temp = [p for p in folder.iterdir() if marker in p.name]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
