@@ -137,11 +137,53 @@ def gloo_ranks(worker: str, world: int, folder: Path, *args: str,
     return [json.loads((folder / f"report-{r}.json").read_text()) for r in range(world)]
 
 
+STOP_AFTER_LINE = """
+import os, runpy, signal, sys
+
+prefix, target, *args = sys.argv[1:]
+
+
+class StopAfterLine:
+    # sys.stdout, except that the process that writes a line starting with ``prefix``
+    # stops itself (SIGSTOP) once the line is on the pipe, until the test kills it
+    def __init__(self, stream):
+        self.stream, self.line = stream, ""
+
+    def write(self, text):
+        written = self.stream.write(text)
+        *lines, self.line = (self.line + text).split("\\n")
+        if any(line.startswith(prefix) for line in lines):
+            self.stream.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return written
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+sys.stdout = StopAfterLine(sys.stdout)
+if target == "-m":  # as python -m (run_module puts the module's path in argv[0])
+    sys.argv = args
+    runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+else:  # as python script.py: the script's folder on sys.path
+    sys.argv, sys.path[0] = [target, *args], os.path.dirname(os.path.abspath(target))
+    runpy.run_path(target, run_name="__main__")
+"""
+
+
+def stop_after_line(prefix: str) -> list[str]:
+    """``python`` for a test that kills a run when it reads a line starting with ``prefix``
+    (append a script or ``-m module`` and its arguments): the process that prints that line
+    stops right after it (SIGSTOP), so the kill lands there and not some steps later (the
+    test reads the pipe later than the run writes it). A stopped process dies of SIGKILL."""
+    return [sys.executable, "-c", STOP_AFTER_LINE, prefix]
+
+
 def kill_mid_write(folder: Path, code: str, *, ready: str, min_bytes: int,
                    marker: str = ".tmp-") -> tuple[subprocess.Popen[str], list[Path]]:
     """Run ``code`` (argv[1] = ``folder``); once it prints ``ready`` and a temp file
     (``marker`` in its name) in ``folder`` has ``min_bytes``, SIGKILL it. Returns the
-    process and the temp files seen at the kill (empty: the kill did not land mid-write)."""
+    process and the temp files there at the kill (empty: the kill did not land mid-write)."""
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     temp: list[Path] = []
@@ -149,10 +191,17 @@ def kill_mid_write(folder: Path, code: str, *, ready: str, min_bytes: int,
         assert proc.stdout.readline().strip() == ready, proc.stderr.read()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            temp = [p for p in folder.iterdir() if marker in p.name]
-            if temp and temp[0].stat().st_size > min_bytes:
-                break
+            try:
+                if any(p.stat().st_size > min_bytes for p in folder.iterdir() if marker in p.name):
+                    break
+            except FileNotFoundError:  # renamed into place between the listing and the stat
+                pass
             time.sleep(0.002)
+        # Freeze it, then look again: the temp files returned are those the kill leaves (a
+        # write that ended between the look and the kill would pass for one cut short).
+        os.kill(proc.pid, signal.SIGSTOP)
+        os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)  # not reaped
+        temp = [p for p in folder.iterdir() if marker in p.name]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, stop_after_line
 
 from tpu_helpers.checkpoint import CheckpointDir, load_checkpoint
 
@@ -23,13 +23,14 @@ PORT = REPO / "examples" / "port"
 EPOCHS = 4  # 22 steps an epoch (1,437 images, batch 64): lr 1.0, 0.7, 0.49, 0.343
 
 
-def _popen(script: str, *args: str, xla: bool = True) -> subprocess.Popen[str]:
+def _popen(script: str, *args: str, xla: bool = True,
+           python: list[str] | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     if not xla:  # the original, as its author runs it: plain PyTorch, no torch_xla
         env.pop("PJRT_DEVICE", None)
-    return subprocess.Popen([sys.executable, str(PORT / script), "--epochs", str(EPOCHS), *args],
-                            cwd=PORT, env=env, stdout=subprocess.PIPE,
+    cmd = [*(python or [sys.executable]), str(PORT / script), "--epochs", str(EPOCHS), *args]
+    return subprocess.Popen(cmd, cwd=PORT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -52,7 +53,9 @@ def test_both_ports_match_the_original_and_the_toolkit_port_resumes_bit_for_bit(
     toolkit = ("--checkpoint-every", "5", "--progress")
     procs = [_popen("original.py", xla=False), _popen("port_minimal.py"),
              _popen("port_toolkit.py", "--out-dir", str(whole), *toolkit)]
-    victim = _popen("port_toolkit.py", "--out-dir", str(killed), *toolkit)
+    # the replica stops itself at the line the test kills it at: no step after it runs
+    victim = _popen("port_toolkit.py", "--out-dir", str(killed), *toolkit,
+                    python=stop_after_line(f"step {kill_at}/"))
     try:
         for line in victim.stdout:
             if line.startswith(f"step {kill_at}/"):
@@ -66,7 +69,10 @@ def test_both_ports_match_the_original_and_the_toolkit_port_resumes_bit_for_bit(
                 os.killpg(p.pid, signal.SIGKILL)
     assert victim.returncode == -signal.SIGKILL
     saved = CheckpointDir(killed / "checkpoints").steps()
-    assert saved and max(saved) <= kill_at
+    assert saved and max(saved) <= kill_at, (saved, kill_at)
+    # exactly: the last one before step kill_at (every 5 steps and each epoch's end, 22
+    # steps); step kill_at's own is written after its line
+    assert max(saved) == max(s for s in range(kill_at) if s % 5 == 0 or s % 22 == 0), saved
     resumed = _finish(_popen("port_toolkit.py", "--out-dir", str(killed), *toolkit))
 
     # accuracy: the original on CPU PyTorch, both ports on XLA:CPU

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_python
+from conftest import REPO, run_python, stop_after_line
 
 from course.datasets import load_digits
 from course.models import max_abs_diff
@@ -60,7 +60,9 @@ def test_sigkill_at_a_random_step_then_resume_gives_bit_identical_weights(tmp_pa
     # The uninterrupted run and the run to be killed start together (2 cores). The
     # reference does not checkpoint mid-epoch at all: the schedule must not matter.
     ref = _popen(_train_cmd(whole, checkpoint_every=0))
-    victim = _popen(_train_cmd(killed, "--compile-cache", str(cache)))
+    # the replica stops itself at the line the test kills it at: no step after it runs
+    victim = _popen([*stop_after_line(f"step {kill_at}/"),
+                     *_train_cmd(killed, "--compile-cache", str(cache))[1:]])
     seen = []
     try:
         for line in victim.stdout:
@@ -81,6 +83,9 @@ def test_sigkill_at_a_random_step_then_resume_gives_bit_identical_weights(tmp_pa
     assert not (killed / "final.pt").exists()
     saved = CheckpointDir(killed / "checkpoints").steps()
     assert saved and max(saved) <= kill_at, (saved, kill_at)
+    # exactly: the last one before step kill_at (every 3 steps and the epoch's end, step
+    # 11); step kill_at's own is written after its line
+    assert max(saved) == max(s for s in range(kill_at) if s % 3 == 0 or s == 11), saved
 
     # Resume: the same command again. It reads the cache the killed run wrote (on
     # XLA:CPU reading fails: PersistentCacheDeserializeFailure) and must not care.
