@@ -52,7 +52,8 @@ from tpu_helpers.env import configure_emulation
 
 BOUNDS = (64, 128, 256)     # bucket lengths (tokens = bytes), as in notebook 09
 BATCH = 16                  # speeches per batch for (a) and (b)
-BUCKET_BATCH = (32, 16, 8)  # per bucket for (c): about the same tokens per step
+BUCKET_BATCH = (32, 16, 8)  # global batch per bucket for (c) (one replica: all of it):
+                            # about the same tokens per step
 WIDTH, HEADS, LR, SEED = 64, 4, 0.5, 0
 STRATEGIES = {"a": "(a) pad each batch to its longest", "b": "(b) pad to the maximum (256)",
               "c": "(c) length buckets (tpu_helpers.buckets)"}
@@ -124,7 +125,7 @@ def padding_batches(speeches, rounds: int, steps: int) -> dict[str, list[list]]:
     rows = [random_rows(r) for r in range(rounds)]
     warm_rows = random_rows(1000)[0]
     data = BucketDataset(speeches, BOUNDS, vocab_size=256)
-    plan = BucketSampler(data.buckets, BUCKET_BATCH, seed=SEED).steps()
+    plan = BucketSampler(data.buckets, global_batch=BUCKET_BATCH, seed=SEED).steps()
     first = [next(chunk for b, chunk in plan if b == k) for k in range(len(BOUNDS))]
 
     def bucket_batch(chunk):

@@ -1,5 +1,6 @@
 """tpu_helpers.buckets: every replica runs the same bucket at each step, evaluation scores
-every sample exactly once, bad samples are errors naming their index (real torch + numpy)."""
+every sample exactly once, bad samples are errors naming their index (real torch + numpy).
+The samplers take the GLOBAL batch per bucket, as data.py's loaders: 8 replicas load 1/8 each."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tpu_helpers.buckets import (
 )
 
 BOUNDS = (64, 128, 256)
+GLOBAL = 128  # rows per step over all 8 replicas: 16 each
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def test_eight_replicas_run_the_same_bucket_at_every_step(speeches, drop_last):
     for epoch in (0, 1):
         per_rank = []
         for rank in range(8):
-            sampler = BucketSampler(buckets, 16, num_replicas=8, rank=rank, seed=3,
+            sampler = BucketSampler(buckets, GLOBAL, num_replicas=8, rank=rank, seed=3,
                                     drop_last=drop_last)
             sampler.set_epoch(epoch)
             per_rank.append(_bucket_per_step(sampler, lengths))
@@ -53,18 +55,19 @@ def test_eight_replicas_run_the_same_bucket_at_every_step(speeches, drop_last):
         assert all(r == per_rank[0] for r in per_rank), "replicas disagree on a step's bucket"
         assert len(set(per_rank[0])) == 3
     # the epoch changes the order; the seed fixes it
-    a, b = (BucketSampler(buckets, 16, num_replicas=8, seed=3) for _ in range(2))
+    a, b = (BucketSampler(buckets, GLOBAL, num_replicas=8, seed=3) for _ in range(2))
     b.set_epoch(1)
-    assert list(a) != list(b) and list(a) == list(BucketSampler(buckets, 16, num_replicas=8,
+    assert list(a) != list(b) and list(a) == list(BucketSampler(buckets, GLOBAL, num_replicas=8,
                                                                  seed=3))
 
 
 def test_training_rows_are_disjoint_and_drop_only_the_remainder(speeches):
     buckets = check_samples(speeches, BOUNDS)
-    rows = [i for r in range(8) for step in BucketSampler(buckets, 16, num_replicas=8, rank=r)
+    rows = [i for r in range(8) for step in BucketSampler(buckets, GLOBAL, num_replicas=8,
+                                                           rank=r)
             for i in step]
     counts = np.bincount(buckets)
-    kept = sum(c // 128 * 128 for c in counts)
+    kept = sum(c // GLOBAL * GLOBAL for c in counts)
     print(f"bucket sizes {counts.tolist()}, kept {len(rows)} of {len(buckets)}")
     assert len(rows) == len(set(rows)) == kept
 
@@ -72,19 +75,41 @@ def test_training_rows_are_disjoint_and_drop_only_the_remainder(speeches):
 def test_padding_share_buckets_versus_pad_to_max(speeches):
     lengths = [len(s) for s in speeches]
     buckets = check_samples(speeches, BOUNDS)
-    ours = padding_share(lengths, BucketSampler(buckets, 16, num_replicas=8).steps(), BOUNDS)
+    ours = padding_share(lengths, BucketSampler(buckets, GLOBAL, num_replicas=8).steps(),
+                         BOUNDS)
     one = np.zeros(len(lengths), dtype=np.int64)
-    to_max = padding_share(lengths, BucketSampler(one, 16, num_replicas=8).steps(), (256,))
+    to_max = padding_share(lengths, BucketSampler(one, GLOBAL, num_replicas=8).steps(), (256,))
     print(f"padding share: buckets {ours:.3f}, pad to max {to_max:.3f}")
     assert 0.25 < ours < 0.35 and 0.6 < to_max < 0.72
     assert (1 - ours) / (1 - to_max) > 1.9  # real tokens per padded slot
+
+
+def test_the_global_batch_is_split_over_the_replicas(speeches):
+    buckets = check_samples(speeches, BOUNDS)
+    for sampler_cls in (BucketSampler, BucketEvalSampler):
+        rows = {}  # bucket length -> rows per step, per replica
+        for rank in range(8):
+            for step in sampler_cls(buckets, (32, 16, 8), num_replicas=8, rank=rank):
+                real = [i for i in step if i >= 0]
+                rows.setdefault(BOUNDS[buckets[real].max()] if real else None,
+                                set()).add(len(step))
+        rows.pop(None, None)
+        print(sampler_cls.__name__, rows)
+        assert rows == {64: {4}, 128: {2}, 256: {1}}  # global (32, 16, 8) / 8 replicas
+    for bad in (12, (32, 16, 12)):
+        with pytest.raises(BucketError, match="global batch 12 does not divide over 8 replicas"):
+            BucketSampler(buckets, bad, num_replicas=8)
+        with pytest.raises(BucketError, match="global batch 12 does not divide over 8 replicas"):
+            BucketEvalSampler(buckets, bad, num_replicas=8)
+    with pytest.raises(BucketError, match=r"one per bucket \(3\), got \(32, 16\)"):
+        BucketSampler(buckets, (32, 16), num_replicas=8)
 
 
 def test_eval_scores_every_sample_exactly_once_on_8_replicas(speeches):
     data = BucketDataset(speeches[:1001], BOUNDS)
     seen, steps = [], set()
     for rank in range(8):
-        sampler = BucketEvalSampler(data.buckets, 16, num_replicas=8, rank=rank)
+        sampler = BucketEvalSampler(data.buckets, GLOBAL, num_replicas=8, rank=rank)
         loader = DataLoader(data, batch_sampler=sampler, collate_fn=collate)
         widths = []
         for batch in loader:
@@ -104,7 +129,7 @@ def test_a_padding_row_alone_keeps_its_bucket_width():
     samples = [[5] * 10, [6] * 100, [7] * 200]  # one per bucket, 8 replicas: 7 pad rows each
     data = BucketDataset(samples, BOUNDS)
     widths = {r: [b["tokens"].shape[1] for b in DataLoader(
-        data, batch_sampler=BucketEvalSampler(data.buckets, 1, num_replicas=8, rank=r),
+        data, batch_sampler=BucketEvalSampler(data.buckets, 8, num_replicas=8, rank=r),
         collate_fn=collate)] for r in range(8)}
     assert all(w == [64, 128, 256] for w in widths.values()), widths
 
@@ -127,9 +152,9 @@ def test_bad_settings_are_errors():
     with pytest.raises(BucketError, match="strictly increasing"):
         check_samples([[1]], (128, 64))
     with pytest.raises(BucketError, match="rank 8 is not in 0..7"):
-        BucketSampler(np.zeros(4, dtype=np.int64), 1, num_replicas=8, rank=8)
+        BucketSampler(np.zeros(4, dtype=np.int64), 8, num_replicas=8, rank=8)
     with pytest.raises(BucketError, match="no full batch"):
-        BucketSampler(np.zeros(4, dtype=np.int64), 1, num_replicas=8)
+        BucketSampler(np.zeros(4, dtype=np.int64), 8, num_replicas=8)
     with pytest.raises(BucketError, match="mixes buckets of lengths"):
         data = BucketDataset([[1] * 10, [2] * 100], BOUNDS)
         collate([data[0], data[1]])

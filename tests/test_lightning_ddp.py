@@ -69,7 +69,7 @@ from torch.utils.data import DataLoader
 from course.datasets import load_digits
 from course.lightning_demo import DigitsData, LitDigits, XLACountsCallback, read_counts
 from course.lightning_writer import ExactlyOncePredictionWriter, read_predictions
-from tpu_helpers.data import ArrayDataset
+from tpu_helpers.data import ArrayDataset, split_global_batch
 from tpu_helpers.tpu_lightning import AtomicXLACheckpointIO
 
 WORLD = 8
@@ -103,8 +103,9 @@ if __name__ == "__main__":
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
     train = ArrayDataset(*load_digits("train"))
     test = ArrayDataset(*load_digits("test"))
-    batch = cfg["GLOBAL_BATCH"] // WORLD   # as the notebook: the global batch over the ranks
-    data = DigitsData(train, test, batch, cfg["EVAL_BATCH"] // WORLD, seed=cfg["SEED"])
+    batch = split_global_batch(cfg["GLOBAL_BATCH"], WORLD)   # as the notebook
+    data = DigitsData(train, test, batch, split_global_batch(cfg["EVAL_BATCH"], WORLD),
+                      seed=cfg["SEED"])
     report = {"batch": batch}
 
     start = time.perf_counter()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from course.text import TinyGPT
 from tpu_helpers.buckets import BucketDataset, BucketEvalSampler, collate
 
-BOUNDS, N, BATCH = (16, 32, 64), 53, 4
+BOUNDS, N, PER_REPLICA_BATCH = (16, 32, 64), 53, 4  # rows one replica loads per step
 
 class Scorer(torch.nn.Module):
     '''Per sample: (summed next-token loss over real tokens, count) -> [B, 2].'''
@@ -36,10 +36,10 @@ rng = np.random.default_rng(0)
 samples = [rng.integers(1, 256, size=int(k)) for k in rng.integers(2, 65, size=N)]
 data = BucketDataset(samples, BOUNDS, vocab_size=256)
 
-def loader(world=1, rank=0):
-    return torch.utils.data.DataLoader(
-        data, batch_sampler=BucketEvalSampler(data.buckets, BATCH, num_replicas=world,
-                                              rank=rank), collate_fn=collate)
+def loader(world=1, rank=0):  # the sampler takes the global batch
+    return torch.utils.data.DataLoader(data, batch_sampler=BucketEvalSampler(
+        data.buckets, PER_REPLICA_BATCH * world, num_replicas=world, rank=rank),
+        collate_fn=collate)
 
 def expected():
     model = Scorer().eval()
@@ -107,7 +107,7 @@ def test_three_processes_score_bucketed_samples_exactly_once(tmp_path):
     for r in reports:
         assert r["index"] == list(range(53)) and r["err"] < 1e-4
         assert r["compiles"] == 3  # one graph per bucket
-    # each step holds BATCH x world rows: the fill-up of each bucket's last step is padding
+    # each step holds PER_REPLICA_BATCH x world rows; each bucket's last step ends in padding
     steps = len(reports[0]["widths"])
     assert reports[0]["padding"] == steps * 4 * world - 53
     np.testing.assert_array_equal(np.load(tmp_path / "values-1.npy"),

@@ -36,12 +36,11 @@ def lm_loss(logits, batch):
     correct = ((logits.argmax(-1) == target) & real).sum()
     return (nll * real).sum() / count.clamp(min=1), correct, count
 
-def loaders(train_set, eval_set, config, world, rank):
-    per = config.global_batch // world
+def loaders(train_set, eval_set, config, world, rank):  # the samplers split the global batch
     train = DataLoader(train_set, collate_fn=collate, batch_sampler=BucketSampler(
-        train_set.buckets, per, num_replicas=world, rank=rank, seed=config.seed))
+        train_set.buckets, config.global_batch, num_replicas=world, rank=rank, seed=config.seed))
     ev = DataLoader(eval_set, collate_fn=collate, batch_sampler=BucketEvalSampler(
-        eval_set.buckets, per, num_replicas=world, rank=rank))
+        eval_set.buckets, config.global_batch, num_replicas=world, rank=rank))
     return train, ev
 
 def samples(n, seed):  # a learnable pattern: runs of one byte, lengths 2..64

@@ -2,7 +2,9 @@
 
 Taught in notebook 09. Needs no sibling. A batch holds samples of one bucket padded to its
 length (``boundaries``, e.g. ``(64, 128, 256)``): at most one graph per bucket. Every replica
-gets the same bucket at each step. ``DataLoader(BucketDataset(samples, boundaries),
+gets the same bucket at each step. The samplers take the GLOBAL batch per bucket (rows one
+optimizer step takes over ALL replicas, as data.py's loaders): each replica loads
+``global_batch // num_replicas``. ``DataLoader(BucketDataset(samples, boundaries),
 batch_sampler=BucketSampler(...), collate_fn=collate)``.
 """
 
@@ -59,12 +61,19 @@ def check_samples(samples: Sequence[Any], boundaries: Sequence[int],
     return np.searchsorted(np.asarray(bounds), lengths, side="left").astype(np.int64)
 
 
-def _batch_sizes(batch_size: int | Sequence[int], num_buckets: int) -> list[int]:
-    sizes = [batch_size] * num_buckets if isinstance(batch_size, int) else list(batch_size)
+def _per_replica_batches(global_batch: int | Sequence[int], num_buckets: int,
+                         num_replicas: int) -> list[int]:
+    """Rows one replica loads per step, per bucket: each global batch split over the replicas
+    with ``data.split_global_batch``'s rule and message (here a BucketError)."""
+    sizes = [global_batch] * num_buckets if isinstance(global_batch, int) else list(global_batch)
     if len(sizes) != num_buckets or any(int(s) < 1 for s in sizes):
-        raise BucketError(f"batch_size must be a positive int or one per bucket "
-                          f"({num_buckets}), got {batch_size!r}.")
-    return [int(s) for s in sizes]
+        raise BucketError(f"global_batch must be a positive int or one per bucket "
+                          f"({num_buckets}), got {global_batch!r}.")
+    for size in sizes:
+        if int(size) % num_replicas:
+            raise BucketError(f"global batch {size} does not divide over {num_replicas} "
+                              "replicas: make it a multiple of the world size.")
+    return [int(s) // num_replicas for s in sizes]
 
 
 def _check_replicas(num_replicas: int, rank: int) -> None:
@@ -73,15 +82,15 @@ def _check_replicas(num_replicas: int, rank: int) -> None:
                           f"(num_replicas={num_replicas}).")
 
 
-def train_plan(buckets: np.ndarray, batch_size: int | Sequence[int], num_replicas: int,
+def train_plan(buckets: np.ndarray, global_batch: int | Sequence[int], num_replicas: int,
                seed: int, epoch: int, drop_last: bool = True,
                shuffle: bool = True) -> list[tuple[int, np.ndarray]]:
-    """The epoch's steps for ALL replicas: ``(bucket, index [num_replicas, batch])`` each,
-    the same on every replica. Per bucket, samples are shuffled with ``(seed, epoch)`` and cut
-    into global batches (the remainder dropped, or filled with repeats); then all steps are
-    shuffled together."""
+    """The epoch's steps for ALL replicas: ``(bucket, index [num_replicas, global_batch //
+    num_replicas])`` each, the same on every replica. Per bucket, samples are shuffled with
+    ``(seed, epoch)`` and cut into global batches (the remainder dropped, or filled with
+    repeats); then all steps are shuffled together."""
     nb = int(buckets.max()) + 1 if buckets.size else 0
-    sizes = _batch_sizes(batch_size, nb)
+    sizes = _per_replica_batches(global_batch, nb, num_replicas)
     rng = np.random.default_rng([seed, epoch])
     steps = []
     for b in range(nb):
@@ -97,7 +106,7 @@ def train_plan(buckets: np.ndarray, batch_size: int | Sequence[int], num_replica
     return [steps[i] for i in order]
 
 
-def eval_plan(buckets: np.ndarray, batch_size: int | Sequence[int],
+def eval_plan(buckets: np.ndarray, global_batch: int | Sequence[int],
               num_replicas: int) -> list[tuple[int, np.ndarray]]:
     """Evaluation steps for all replicas: every sample in exactly one row, in order of bucket.
 
@@ -105,7 +114,7 @@ def eval_plan(buckets: np.ndarray, batch_size: int | Sequence[int],
     that bucket, so every replica still runs the bucket's graph.
     """
     nb = int(buckets.max()) + 1 if buckets.size else 0
-    sizes = _batch_sizes(batch_size, nb)
+    sizes = _per_replica_batches(global_batch, nb, num_replicas)
     steps = []
     for b in range(nb):
         idx = np.flatnonzero(buckets == b)
@@ -116,29 +125,30 @@ def eval_plan(buckets: np.ndarray, batch_size: int | Sequence[int],
 
 
 class BucketSampler(Sampler[list[int]]):
-    """A ``batch_sampler`` for training: this replica's rows of :func:`train_plan`.
-
-    Call :meth:`set_epoch` before each epoch (as with ``DistributedSampler``).
+    """A ``batch_sampler`` for training: this replica's rows of :func:`train_plan`, batches of
+    ``global_batch // num_replicas`` (``global_batch``: rows per step over all replicas, an int
+    or one per bucket). Call :meth:`set_epoch` before each epoch (as with
+    ``DistributedSampler``).
     """
 
-    def __init__(self, buckets: np.ndarray, batch_size: int | Sequence[int], *,
+    def __init__(self, buckets: np.ndarray, global_batch: int | Sequence[int], *,
                  num_replicas: int = 1, rank: int = 0, seed: int = 0,
                  drop_last: bool = True, shuffle: bool = True) -> None:
         _check_replicas(num_replicas, rank)
-        self.buckets, self.batch_size = np.asarray(buckets, dtype=np.int64), batch_size
+        self.buckets, self.global_batch = np.asarray(buckets, dtype=np.int64), global_batch
         self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
         self.drop_last, self.shuffle, self.epoch = drop_last, shuffle, 0
         if not self.steps():
-            raise BucketError(f"no full batch: every bucket has fewer samples than "
-                              f"batch_size x num_replicas ({batch_size} x {num_replicas}); "
-                              "use drop_last=False or a smaller batch.")
+            raise BucketError(f"no full batch: every bucket has fewer samples than its "
+                              f"global batch ({global_batch}); use drop_last=False or a "
+                              "smaller batch.")
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def steps(self) -> list[tuple[int, np.ndarray]]:
         """This epoch's plan for all replicas (the same list on every replica)."""
-        return train_plan(self.buckets, self.batch_size, self.num_replicas, self.seed,
+        return train_plan(self.buckets, self.global_batch, self.num_replicas, self.seed,
                           self.epoch, self.drop_last, self.shuffle)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -150,12 +160,13 @@ class BucketSampler(Sampler[list[int]]):
 
 
 class BucketEvalSampler(Sampler[list[int]]):
-    """A ``batch_sampler`` for evaluation: this replica's rows of :func:`eval_plan`."""
+    """A ``batch_sampler`` for evaluation: this replica's rows of :func:`eval_plan`, batches
+    of ``global_batch // num_replicas`` (``global_batch`` as in :class:`BucketSampler`)."""
 
-    def __init__(self, buckets: np.ndarray, batch_size: int | Sequence[int], *,
+    def __init__(self, buckets: np.ndarray, global_batch: int | Sequence[int], *,
                  num_replicas: int = 1, rank: int = 0) -> None:
         _check_replicas(num_replicas, rank)
-        self.plan = eval_plan(np.asarray(buckets, dtype=np.int64), batch_size, num_replicas)
+        self.plan = eval_plan(np.asarray(buckets, dtype=np.int64), global_batch, num_replicas)
         self.rank = rank
 
     def __iter__(self) -> Iterator[list[int]]:

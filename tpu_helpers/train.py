@@ -54,7 +54,7 @@ class Config:
 
     epochs: int = _opt(6, "epochs to train")
     global_batch: int = _opt(64, "samples per optimizer step over ALL replicas (each loads "
-                             "global_batch // world_size: its per-replica batch)")
+                             "split_global_batch(global_batch, world_size): it must divide)")
     eval_global_batch: int = _opt(64, "evaluation samples per step over ALL replicas")
     lr: float = _opt(3e-3, "learning rate (the built-in optimizers; yours reads config.lr)")
     weight_decay: float = _opt(1e-2, "AdamW weight decay (built-in optimizer)")

@@ -132,6 +132,8 @@ def _mp_fn(index):
     transform = Compose([ToTensor(), Normalize(0.33, 0.38)])
     train_set = Digits(DATA, "train", transform)
     sampler = DistributedSampler(train_set, xr.world_size(), xr.global_ordinal(), seed=args.seed)
+    # --batch-size stays the global batch, each replica loads its share. The toolkit port
+    # splits with tpu_helpers.data.split_global_batch, which also refuses one that does not divide.
     train_loader = DataLoader(train_set, batch_size=args.batch_size // xr.world_size(),
                               sampler=sampler, drop_last=True)
     test_loader = DataLoader(Digits(DATA, "test", transform), batch_size=args.test_batch_size)

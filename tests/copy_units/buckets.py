@@ -7,14 +7,15 @@ from torch.utils.data import DataLoader
 rng = np.random.default_rng(0)
 samples = [rng.integers(1, 256, size=n) for n in rng.integers(1, 129, size=200)]
 data = BucketDataset(samples, (32, 64, 128), vocab_size=256)
-plans = [[len(b) for b in BucketSampler(data.buckets, 4, num_replicas=2, rank=r)]
+plans = [[len(b) for b in BucketSampler(data.buckets, 8, num_replicas=2, rank=r)]
          for r in range(2)]
+assert plans[0] == plans[1] and set(plans[0]) == {4}  # global batch 8: 4 rows per replica
 widths = [[b["tokens"].shape[1] for b in DataLoader(
-    data, batch_sampler=BucketSampler(data.buckets, 4, num_replicas=2, rank=r),
+    data, batch_sampler=BucketSampler(data.buckets, 8, num_replicas=2, rank=r),
     collate_fn=collate)] for r in range(2)]
 assert widths[0] == widths[1] and set(widths[0]) == {32, 64, 128}
 seen = [i for r in range(2) for b in DataLoader(
-    data, batch_sampler=BucketEvalSampler(data.buckets, 4, num_replicas=2, rank=r),
+    data, batch_sampler=BucketEvalSampler(data.buckets, 8, num_replicas=2, rank=r),
     collate_fn=collate) for i in b["index"].tolist() if i >= 0]
 assert sorted(seen) == list(range(200))
 try:
