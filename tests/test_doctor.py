@@ -11,6 +11,8 @@ cells do not move them). Findings of severity "info" are notes, not alarms: they
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import re
 import shutil
@@ -153,6 +155,44 @@ def test_api_table_rows_name_their_source():
         assert kind in ("removed-api", "deprecated-api") and what and fix, name
         assert re.search(r"v2\.[089]\.0|jax 0\.7\.2", source), (name, source)
     assert "torch_xla.core.xla_model.get_local_ordinal" not in doctor.API  # still in 2.8/2.9
+
+
+def _installed(relative: str) -> ast.Module:
+    """A file of the installed torch_xla, parsed (not imported)."""
+    root = Path(importlib.util.find_spec("torch_xla").origin).parent
+    return ast.parse((root / relative).read_text())
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_launch_nprocs_rule_matches_the_installed_torch_xla():
+    """torch_xla.launch has no nprocs parameter (any nprocs= is a TypeError, even None or 1);
+    xmp.spawn takes nprocs and PJRT's spawn raises ValueError unless it is None or 1."""
+    launch = _function(_installed("torch_xla.py"), "launch")
+    assert [a.arg for a in launch.args.args] == ["fn", "args", "start_method",
+                                                "debug_single_process"]
+    assert launch.args.kwarg is None and launch.args.vararg is None and not launch.args.kwonlyargs
+    spawn = ast.unparse(_function(_installed("_internal/pjrt.py"), "spawn"))
+    assert "if nprocs == 1:" in spawn
+    assert "elif nprocs is not None:\n        raise ValueError" in spawn
+    code = """import torch_xla
+import torch_xla.distributed.xla_multiprocessing as xmp
+torch_xla.launch(f, nprocs=None)
+torch_xla.launch(f, nprocs=1)
+torch_xla.launch(f, nprocs=8)
+xmp.spawn(f, nprocs=1)
+xmp.spawn(f, nprocs=None)
+xmp.spawn(f, (), 8)
+xmp.spawn(f, nprocs=n)
+torch_xla.launch(f)
+"""
+    found = {f.line: f for f in doctor.static_findings(code)}
+    assert sorted(found) == [3, 4, 5, 8, 9] and {f.kind for f in found.values()} == {
+        "launch-nprocs"}, found
+    assert all("no nprocs parameter: TypeError" in found[n].message for n in (3, 4, 5))
+    assert all("ValueError" in found[n].message for n in (8, 9))
 
 
 # --------------------------------------------------------------------------- torch_xla's text

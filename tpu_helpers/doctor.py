@@ -28,7 +28,7 @@ except ImportError:  # copied next to doctor_run.py into your project (or run as
 XM, TAGS = "torch_xla.core.xla_model", "pytorch/xla v2.8.0 and v2.9.0"
 _R, _D = "removed-api", "deprecated-api"
 _GONE = f"absent from torch_xla/core/xla_model.py at {TAGS}"
-_2_7 = "removed in torch_xla 2.7 (deprecated in 2.6)"
+_2_7 = "removed in torch_xla 2.7 (deprecated in 2.5)"  # xla_model.py at v2.5.1: l.43-50
 #: qualified name -> (kind, what changed, the fix, where it was read: checked at the tags).
 API = {
     f"{XM}.xrt_world_size": (_R, _2_7, "torch_xla.runtime.world_size()", _GONE),
@@ -49,7 +49,8 @@ API = {
     f"{XM}.mark_step": (_D, "@deprecated in torch_xla 2.8/2.9", "torch_xla.sync()",
                         f"torch_xla/core/xla_model.py at {TAGS}"),
 }
-_BF16 = (_D, "deprecated since torch_xla 2.6", "torch.autocast('xla', dtype=torch.bfloat16)",
+_BF16 = (_D, "still obeyed in torch_xla 2.8/2.9, which print 'will be deprecated after the 2.6 "
+         "release'", "torch.autocast('xla', dtype=torch.bfloat16)",
          f"torch_xla/csrc/dtype.cpp at {TAGS}")
 _FP16 = (_D, "deprecated", "bfloat16 autocast", f"torch_xla/__init__.py at {TAGS}")
 ENV = {"XLA_USE_BF16": _BF16, "XLA_DOWNCAST_BF16": _BF16, "XLA_USE_FP16": _FP16,
@@ -64,8 +65,9 @@ RULES = {
                                "ds, num_replicas=xr.world_size(), rank=xr.global_ordinal())", ""),
     "ragged-batches": ("warning", "a training DataLoader without drop_last=True: the smaller last "
                        "batch compiles a second graph", "DataLoader(..., drop_last=True)", ""),
-    "launch-nprocs": ("error", "refused: only None (every device) or 1", "drop nprocs", "spawn in "
-                      f"torch_xla/_internal/pjrt.py, launch in torch_xla/torch_xla.py at {TAGS}"),
+    "launch-nprocs": ("error", "{}", "torch_xla.launch(fn): one process per device "
+                      "(debug_single_process=True: one)", "spawn in torch_xla/_internal/pjrt.py, "
+                      f"launch in torch_xla/torch_xla.py at {TAGS}"),
     "wrong-backend": ("error", "backend {}: it does not reduce XLA tensors", "init_process_group("
                       "'xla', init_method='xla://')", f"distributed/xla_backend.py at {TAGS}"),
     "lightning-removed-arg": ("error", "Trainer(tpu_cores=...) was removed in Lightning 2.0",
@@ -176,10 +178,13 @@ class _Static:
                  if isinstance(a, ast.Constant) and isinstance(a.value, str)]
         if name.endswith(".cuda") or any(c == "cuda" or c.startswith("cuda:") for c in const):
             self.add(node, "cuda-only")
-        nprocs = kw.get("nprocs", node.args[2] if len(node.args) > 2 and "spawn" in name else None)
-        if name in LAUNCHERS and nprocs is not None and not (
-                isinstance(nprocs, ast.Constant) and nprocs.value in (None, 1)):
-            self.add(node, "launch-nprocs", f"{name.split('.')[-1]}(nprocs={ast.unparse(nprocs)}):")
+        spawn = name in LAUNCHERS and name.endswith("spawn")
+        nprocs = kw.get("nprocs", node.args[2] if len(node.args) > 2 and spawn else None)
+        if name in LAUNCHERS and nprocs is not None and (not spawn or not (
+                isinstance(nprocs, ast.Constant) and nprocs.value in (None, 1))):
+            self.add(node, "launch-nprocs", f"{name.split('.')[-1]}(nprocs={ast.unparse(nprocs)}): "
+                     + ("ValueError: xmp.spawn takes only None (every device) or 1" if spawn else
+                        "torch_xla.launch has no nprocs parameter: TypeError, even for None or 1"))
         backend = kw.get("backend", node.args[0] if node.args else None)
         if name.endswith("init_process_group") and isinstance(backend, ast.Constant) and (
                 backend.value == "nccl" or backend.value == "gloo" and re.search(
