@@ -4,9 +4,10 @@ and recall, both passes.
 The corpus (issue 27): tests/doctor_corpus/*.py name their expected findings on their first lines
 (``# expect: kind@line ...``, ``# expect --run: kind@line ...``): the four articles' code, scripts
 that trigger each dynamic finding for real, a fixed loop that must stay clean; plus
-examples/port/ (the ports must be clean) and the course's notebooks exported as scripts, whose
-only findings are the faults the notebooks show on purpose (matched by cell id, so edits to other
-cells do not move them). Findings of severity "info" are notes, not alarms: they are not counted.
+examples/port/ (the ports must be clean) and the course's notebooks, read as users give them
+(``.ipynb``), whose only findings are the faults the notebooks show on purpose (matched by cell
+id, so edits to other cells do not move them). Findings of severity "info" are notes, not alarms:
+they are not counted.
 """
 
 from __future__ import annotations
@@ -62,19 +63,8 @@ def expected(path: Path, run: bool = False) -> list[str]:
     return line[len(head):].split()
 
 
-def export_notebook(path: Path) -> tuple[str, dict[int, str]]:
-    """A notebook's code cells as one script (magics become ``pass``); line -> cell id."""
-    lines, cell_of = [], {}
-    for cell in json.loads(path.read_text())["cells"]:
-        if cell["cell_type"] == "code":
-            for text in [f"# cell {cell['id']}", *"".join(cell["source"]).splitlines(), ""]:
-                lines.append(re.sub(r"^(\s*)[%!].*", r"\1pass", text))
-                cell_of[len(lines)] = cell["id"]
-    return "\n".join(lines), cell_of
-
-
-def alarms(findings, where=lambda line: line) -> list[str]:
-    return [f"{f.kind}@{where(f.line)}" for f in findings if f.severity != "info"]
+def alarms(findings, where=lambda f: f.line) -> list[str]:
+    return [f"{f.kind}@{where(f)}" for f in findings if f.severity != "info"]
 
 
 def static_cases() -> list[tuple[str, list[str], list[str]]]:
@@ -82,10 +72,11 @@ def static_cases() -> list[tuple[str, list[str], list[str]]]:
              for p in sorted(CORPUS.glob("*.py"))]
     cases += [(f"examples/port/{n}", e, alarms(doctor.static_findings((PORT / n).read_text())))
               for n, e in PORT_EXPECTED.items()]
-    for stem, e in NOTEBOOKS.items():
-        source, cell_of = export_notebook(REPO / "notebooks" / f"{stem}.ipynb")
-        cases.append((f"notebook {stem}", e, alarms(doctor.static_findings(source),
-                                                    cell_of.get)))
+    for stem, e in NOTEBOOKS.items():  # the public path: the .ipynb itself
+        path = REPO / "notebooks" / f"{stem}.ipynb"
+        ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
+        cases.append((f"notebook {stem}", e, alarms(doctor.check(str(path)).findings,
+                                                    lambda f, ids=ids: ids[f.cell_index])))
     return cases
 
 

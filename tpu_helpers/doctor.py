@@ -5,19 +5,23 @@ library (torch/torch_xla only in ``--run``'s child). The static pass reads the s
 :mod:`ast` (imports nothing from it): removed and deprecated APIs, host reads in the training step,
 loaders that neither shard nor drop the ragged batch, CUDA-only pieces... ``--run N`` runs the
 script on XLA:CPU for N optimizer steps and reads torch_xla's own signals (``doctor_run.py``).
-Also ``check()``, the ``tpu-doctor`` command and, in IPython, ``%tpu_doctor SCRIPT``.
+Also ``check()``, ``tpu-doctor`` (``--static FILE...``: pre-commit, CI), ``%tpu_doctor`` in IPython.
+A ``.ipynb``: its code cells as one program (no ``%``/``!`` lines); findings name cell and line.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import io
 import json
+import os
 import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+import tokenize
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 try:  # inside the tpu_helpers package
@@ -107,11 +111,14 @@ class Report:
         return {"findings": [f.as_json() for f in self.findings], "run": self.run}
 
     def table(self) -> str:
-        """Line, severity, kind, finding; then fix and source; the run; one line of verdict."""
-        rows = [f"{'line':>5}  {'severity':8} {'kind':23} finding"]
-        for f in sorted(self.findings, key=lambda f: (f.line, f.kind)):
-            rows += [f"{f.line:>5}  {f.severity:8} {f.kind:23} {f.message}", f"{'':39}fix: {f.fix}"]
-            rows += [f"{'':39}source: {f.source}"] if f.source else []
+        """Line (or cell and line), severity, kind, finding; fix, source; the run; the verdict."""
+        at = lambda f: f"cell {f.cell} (index {f.cell_index}), line {f.line}" if f.cell else f.line
+        w = max([5, *(len(str(at(f))) for f in self.findings)])
+        pad = " " * (w + 34)
+        rows = [f"{'line' if w == 5 else 'where':>{w}}  {'severity':8} {'kind':23} finding"]
+        for f in sorted(self.findings, key=lambda f: (f.cell or 0, f.line, f.kind)):
+            rows += [f"{at(f):>{w}}  {f.severity:8} {f.kind:23} {f.message}", f"{pad}fix: {f.fix}"]
+            rows += [f"{pad}source: {f.source}"] if f.source else []
         if r := self.run:
             rows.append(f"run: {r['steps']} steps, {r['compiles_after_warmup']} compiles after "
                         f"warm-up, {r['transfers_per_step']} device-to-host transfers/step, "
@@ -322,10 +329,72 @@ def static_findings(source: str, file: str = "<script>") -> list[Finding]:
         return [Finding("crash", "error", file, exc.lineno or 0, f"SyntaxError: {exc.msg}", "")]
 
 
+# --------------------------------------------------------------------------- reading files
+class Unreadable(ValueError):
+    """Neither Python nor a notebook (or no such file): the command line exits 2 with the reason."""
+
+
+_IPYTHON = re.compile(r"(\s*)((\w+\s*=\s*)?[%!].*|\??[\w.]+\?\??|\?\??[\w.]+)\s*")  # %, !, x?
+_PY_BODY = {"time", "timeit", "capture", "prun"}  # %%magics whose body is Python run in the kernel
+
+
+def read_source(path: str) -> tuple[str, list[tuple[int, int, int]] | None]:
+    """A script's text; or a notebook's code cells as one program (IPython-only lines as ``pass`` or
+    blank, so lines stay) and, per line, (code cell number, cell index, line in the cell)."""
+    try:
+        data = Path(path).read_bytes()
+        if b"\0" in data:
+            raise Unreadable("a binary file (NUL bytes), neither Python nor a notebook")
+        text = data.decode(tokenize.detect_encoding(io.BytesIO(data).readline)[0])
+    except (OSError, UnicodeDecodeError, SyntaxError) as exc:  # OSError: missing, a directory...
+        raise Unreadable(getattr(exc, "strerror", 0) or f"not UTF-8 (or its coding line's): {exc}"
+                         ) from None
+    if not path.endswith(".ipynb"):
+        return text, None
+    try:
+        cells = [(i, "".join(c["source"])) for i, c in enumerate(json.loads(text)["cells"])
+                 if c["cell_type"] == "code"]  # a source is a string or a list of strings
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON's errors: ValueError
+        raise Unreadable(f"not a notebook (JSON, a cells list): {type(exc).__name__}: {exc}"
+                         ) from None
+    lines, where = [], []
+    for number, (index, source) in enumerate(cells, 1):
+        body = re.split(r"\r\n?|\n", source)
+        magic = re.match(r"%%(\w+)", body[0])
+        for n, line in enumerate(body, 1):
+            shell = _IPYTHON.fullmatch(line)
+            lines.append("" if magic and (n == 1 or magic[1] not in _PY_BODY) else
+                         shell[1] + "pass" if shell else line)
+            where.append((number, index, n))
+    return "\n".join(lines), where
+
+
+def this_notebook() -> str:
+    """The notebook this kernel runs, as VS Code (``__vsc_ipynb_file__``) or Jupyter
+    (``__session__``, ``JPY_SESSION_NAME``) name it; :class:`Unreadable` when nothing does."""
+    ip = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+    ns, env = getattr(ip, "user_ns", {}), os.getenv("JPY_SESSION_NAME")
+    for name in map(str, filter(None, (ns.get("__vsc_ipynb_file__"), ns.get("__session__"), env))):
+        for path in (Path(name), Path(Path(name).name)):  # as named, or in the cwd
+            if path.suffix == ".ipynb" and path.is_file():
+                return str(path)
+    raise Unreadable("nothing names this notebook here (__vsc_ipynb_file__, __session__, "
+                     "JPY_SESSION_NAME): save it and pass its path: %tpu_doctor NOTEBOOK.ipynb")
+
+
 # --------------------------------------------------------------------------- entry points
 def check(script: str, args=(), run: int | None = None, timeout: float = 300) -> Report:
-    """Both passes over ``script`` (the dynamic one when ``run`` is a number of steps)."""
-    report = Report(static_findings(Path(script).read_text(), script))
+    """Both passes over ``script``, a ``.py`` file or a notebook (the dynamic one when ``run`` is a
+    number of steps: scripts only); :class:`Unreadable` if it is neither."""
+    source, where = read_source(script)
+    if run and where is not None:
+        raise Unreadable("--run runs scripts: export the notebook first (jupyter nbconvert --to "
+                         "script), or run the static pass")
+    report = Report(static_findings(source, script))
+    if where is not None:
+        at = lambda line: where[min(max(line, 1), len(where)) - 1]
+        report.findings = [replace(f, cell=c, cell_index=i, line=n)
+                           for f in report.findings for c, i, n in [at(f.line)]]
     if run:
         found, report.run, report.notes = dynamic_findings(script, args, run, timeout)
         report.findings += found
@@ -337,18 +406,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", type=int, metavar="N", help="also run N optimizer steps on XLA:CPU")
     p.add_argument("--timeout", type=float, default=300, help="seconds for --run (default 300)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.add_argument("script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    p.add_argument("--static", action="store_true", help="only the static pass, on every file")
+    p.add_argument("script", nargs="?", help="a .py script or a .ipynb notebook")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (--static: more files)")
     a = p.parse_args(argv)
-    start = time.perf_counter()
-    report = check(a.script, a.args, a.run, a.timeout)
-    print(json.dumps(report.to_json(), indent=1) if a.json else
-          f"{report.table()}\n({time.perf_counter() - start:.1f} s)")
-    return report.exit_code
+    if a.script is None and "IPython" not in sys.modules or a.static and (a.run or any(
+            x.startswith("-") for x in a.args)):
+        p.error("give a script or notebook (--static: files only, after the options; no --run)")
+    start, reports, bad = time.perf_counter(), {}, {}
+    files = [a.script, *a.args] if a.static else [a.script]
+    for file in files:
+        try:
+            file = file or this_notebook()
+            reports[file] = check(file, () if a.static else a.args, a.run, a.timeout)
+        except Unreadable as exc:
+            bad[file or "this notebook"] = str(exc)
+            print(f"tpu-doctor: not checked: {file or 'this notebook'}: {exc}", file=sys.stderr)
+    if a.json:
+        out = {"findings": [f.as_json() for r in reports.values() for f in r.findings],
+               "run": next((r.run for r in reports.values()), None)}
+        print(json.dumps(out | ({"unreadable": bad} if bad else {}), indent=1))
+    elif reports:
+        print("\n".join(f"== {f} ==\n" * (len(files) > 1) + r.table() for f, r in reports.items()))
+        print(f"({time.perf_counter() - start:.1f} s)")
+    return 2 if bad else int(any(r.exit_code for r in reports.values()))
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%tpu_doctor [--run N] SCRIPT [ARGS]`` in IPython/Jupyter (``%load_ext`` or import)."""
+    """``%tpu_doctor [--run N] SCRIPT [ARGS]`` in IPython/Jupyter (``%load_ext`` or import);
+    ``%tpu_doctor`` alone checks the notebook it runs in (its saved file)."""
     ipython.register_magic_function(lambda line: main(shlex.split(line)) and None, "line",
                                     "tpu_doctor")
 

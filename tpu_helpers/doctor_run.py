@@ -34,9 +34,12 @@ class Finding:
     message: str
     fix: str
     source: str = ""  # where the rule was read (the human table only)
+    cell: int | None = None  # a notebook's: the code cell (1 = its first), `line` within it,
+    cell_index: int | None = None  # and that cell's index among all its cells (the JSON's, from 0)
 
     def as_json(self) -> dict:
-        return {k: getattr(self, k) for k in ("kind", "severity", "file", "line", "message", "fix")}
+        keys = ("kind", "severity", "file", "line", "message", "fix")
+        return {k: getattr(self, k) for k in keys + ("cell", "cell_index") * bool(self.cell)}
 
 
 _FRAME = re.compile(r"^\s+(\S+) \((.+):(\d+)\)\s*$")  # "  fn (file:line)", as torch_xla prints it
