@@ -69,7 +69,8 @@ def test_the_hook_definition():
 def test_pre_commit_try_repo_fails_a_faulty_file_and_passes_a_clean_one(tmp_path):
     """``pre-commit try-repo <this repository> tpu-doctor --files ...`` in a fresh repository:
     pre-commit builds the hook's virtualenv and installs this package from the package index's
-    build tools (network), then runs the hook. Own cache: nothing reused from earlier runs."""
+    build tools (network), then runs the hook; try-repo builds it afresh on each call (a
+    temporary store), so each of the two calls takes ~20 s here."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed copy runs
     env["PRE_COMMIT_HOME"] = str(tmp_path / "cache")
     for faulty in (True, False):
