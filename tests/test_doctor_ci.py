@@ -17,6 +17,8 @@ import yaml
 from conftest import REPO
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+pytestmark = pytest.mark.one_line  # the static pass imports no torch_xla (a test checks it)
+
 HOOKS = REPO / ".pre-commit-hooks.yaml"
 WORKFLOW = REPO / "examples" / "ci" / "tpu-doctor.yml"
 FAULTY = """import torch_xla

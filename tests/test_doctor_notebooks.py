@@ -21,6 +21,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from tpu_helpers import doctor
 
+pytestmark = pytest.mark.one_line  # reads source only: the static pass imports no torch_xla
+
 CORPUS = REPO / "tests" / "doctor_corpus"
 SCRIPTS = [*sorted(CORPUS.glob("*.py")), REPO / "examples" / "port" / "original.py"]
 #: IPython-only lines that open every code cell below: none is Python, the doctor must skip them
