@@ -230,6 +230,7 @@ def one_device(tmp_path_factory) -> dict:
     return _report(out, world=1)
 
 
+@pytest.mark.one_line  # notebook 12 runs this launch and its checks on 2.8 too (platform run)
 def test_trainer_on_every_chip_at_world_size_1_under_notebook_launcher(one_device):
     assert one_device["token_loss"] > 0  # 45 rows padded to 48: every row once, in order
 
@@ -260,6 +261,7 @@ with open(sys.argv[1] + "/probe.json", "w") as f:
 """
 
 
+@pytest.mark.one_line  # the SPMD Trainer runs on 2.8 in test_hf_fsdp.py and notebook 12, section 3
 def test_trainer_on_every_chip_over_8_virtual_devices_under_spmd(tmp_path, one_device):
     """One SPMD process, 8 virtual devices: section 3's SpmdTrainer (its three loaders through
     transformers' tpu_spmd_dataloader, the model replicated) trains data-parallel and predicts
