@@ -218,14 +218,17 @@ def _report(path: Path, world: int, given: int = 45) -> dict:
 def one_device(tmp_path_factory) -> dict:
     """The notebook's function under ``notebook_launcher`` without the Colab/Kaggle variables:
     ``num_processes=1`` runs it in this process (launchers.py), on this XLA:CPU device."""
-    out = tmp_path_factory.mktemp("every-chip") / "one.json"
+    folder = tmp_path_factory.mktemp("every-chip")
+    out, cwd = folder / "one.json", os.getcwd()
     hidden = {k: os.environ.pop(k) for k in list(os.environ)
               if k.startswith("KAGGLE") or k == "TPU_NAME"}
     try:
+        os.chdir(folder)  # the Trainer's output_dir ("out-12") goes here
         namespace = {"__name__": "every_chip"}
         exec(compile(every_chip_source(), "every_chip", "exec"), namespace)
         notebook_launcher(namespace["train_and_predict"], args=(str(out),), num_processes=1)
     finally:
+        os.chdir(cwd)
         os.environ.update(hidden)
     return _report(out, world=1)
 
