@@ -1,6 +1,7 @@
-"""Hugging Face on XLA, for notebook 11 (course code, not toolkit): a byte-level tokenizer built
-in memory, Tiny Shakespeare's speeches, a tiny GPT-2 from a config, a ``TrainerCallback`` that
-counts XLA compiles and host reads per step, and an evaluation that scores every sample once.
+"""Hugging Face on XLA, for notebooks 11 and 12 (course code, not toolkit): a byte-level tokenizer
+built in memory, Tiny Shakespeare's speeches, a tiny GPT-2 from a config, a ``TrainerCallback``
+that counts XLA compiles and host reads per step, and an evaluation that scores every sample
+once, in order, at any number of processes (``pad_eval_rows``).
 
 Nothing downloads: the tokenizer is the 256 byte symbols of GPT-2's byte-level alphabet (one
 token per UTF-8 byte, as in ``course.text``) plus ``<pad>``; the model is built from a config.
@@ -105,13 +106,22 @@ class XlaCounts(TrainerCallback):
 # ------------------------------------------------------------- exactly-once evaluation
 
 
-def pad_eval_rows(features: list[dict], global_batch: int, width: int, pad_id: int) -> list[dict]:
-    """``features`` plus filler rows (every label ``IGNORE``) up to a multiple of
-    ``global_batch``: every batch is full, so no loader drops or repeats a sample, and the
-    filler rows add nothing to a loss that counts only labelled tokens."""
+def pad_eval_rows(features: list[dict], *, per_replica_batch: int, world_size: int, width: int,
+                  pad_id: int) -> list[dict]:
+    """``features`` plus filler rows (every label ``IGNORE``) up to a multiple of the global
+    batch, ``per_replica_batch * world_size`` (``world_size``: the Trainer's
+    ``args.world_size``, accelerate's ``num_processes``; 1 in one process and under SPMD, where
+    ``per_replica_batch`` is the whole batch): every replica's every batch is full, so no loader
+    drops or repeats a sample, accelerate's ``gather_for_metrics`` has nothing to cut
+    (remainder 0), and the filler rows add nothing to a loss that counts only labelled tokens.
+    The filler rows are the last ones."""
+    if per_replica_batch < 1 or world_size < 1:
+        raise ValueError(f"per_replica_batch and world_size must be >= 1, got "
+                         f"{per_replica_batch} and {world_size}")
     filler = {"input_ids": [pad_id] * width, "attention_mask": [0] * width,
               "labels": [IGNORE] * width}
-    return list(features) + [dict(filler) for _ in range(-len(features) % global_batch)]
+    missing = -len(features) % (per_replica_batch * world_size)
+    return list(features) + [dict(filler) for _ in range(missing)]
 
 
 def per_row_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

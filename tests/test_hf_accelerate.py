@@ -1,11 +1,15 @@
-"""Notebook 11, section 7: accelerate 1.15.0 on XLA with a real ``Accelerator``, real launchers
-and real processes (XLA:CPU). The training script is the notebook's own ``%%writefile`` cell."""
+"""Notebook 12, sections 1 and 2: accelerate 1.15.0 on XLA with a real ``Accelerator``, real
+launchers and real processes (XLA:CPU). The training script is the notebook's own ``%%writefile``
+cell; the Trainer on every chip is the notebook's own function, run on one device under
+``notebook_launcher``, over 8 virtual devices under SPMD and in 8 real processes over gloo."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +25,7 @@ import torch_xla.distributed.parallel_loader as pl  # noqa: E402
 from accelerate import Accelerator, notebook_launcher  # noqa: E402
 from accelerate.commands import launch  # noqa: E402
 from accelerate.utils import patch_environment  # noqa: E402
-from conftest import run_python  # noqa: E402
+from conftest import run_python, run_script  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "12_accelerate_and_fsdp_v2.ipynb"
@@ -182,3 +186,135 @@ def test_prepare_model_wraps_in_mp_model_wrapper_when_launched():
     source = inspect.getsource(Accelerator.prepare_model)
     assert ("elif self.distributed_type == DistributedType.XLA and self.state.fork_launched:\n"
             "                model = xmp.MpModelWrapper(model).to(self.device)") in source
+
+
+# ------------------------------------------------------------ the Trainer on every chip (section 2)
+
+#: Section 2's cells: the imports, ``labelled``, ``build_trainer`` and ``train_and_predict``.
+EVERY_CHIP_CELLS = ("nb12-all-01", "nb12-all-02", "nb12-all-05")
+
+
+def every_chip_source() -> str:
+    return "\n\n".join(cell(c) for c in EVERY_CHIP_CELLS) + "\n"
+
+
+def spmd_trainer_source() -> str:
+    """Section 3's ``SpmdTrainer`` class, as the notebook's script defines it."""
+    source = cell("nb12-fsdp-08")
+    node = next(n for n in ast.parse(source.partition("\n")[2]).body
+                if isinstance(n, ast.ClassDef) and n.name == "SpmdTrainer")
+    return ast.get_source_segment(source.partition("\n")[2], node) + "\n"
+
+
+def _report(path: Path, world: int, given: int = 45) -> dict:
+    report = json.loads(path.read_text())
+    padded = -(-given // (8 * world)) * 8 * world  # per-replica batch 8 times the world size
+    assert report["world_size"] == world and report["given"] == given
+    assert report["padded"] == report["returned"] == padded and report["in_order"] is True
+    return report
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory) -> dict:
+    """The notebook's function under ``notebook_launcher`` without the Colab/Kaggle variables:
+    ``num_processes=1`` runs it in this process (launchers.py), on this XLA:CPU device."""
+    folder = tmp_path_factory.mktemp("every-chip")
+    out, cwd = folder / "one.json", os.getcwd()
+    hidden = {k: os.environ.pop(k) for k in list(os.environ)
+              if k.startswith("KAGGLE") or k == "TPU_NAME"}
+    try:
+        os.chdir(folder)  # the Trainer's output_dir ("out-12") goes here
+        namespace = {"__name__": "every_chip"}
+        exec(compile(every_chip_source(), "every_chip", "exec"), namespace)
+        notebook_launcher(namespace["train_and_predict"], args=(str(out),), num_processes=1)
+    finally:
+        os.chdir(cwd)
+        os.environ.update(hidden)
+    return _report(out, world=1)
+
+
+@pytest.mark.one_line  # notebook 12 runs this launch and its checks on 2.8 too (platform run)
+def test_trainer_on_every_chip_at_world_size_1_under_notebook_launcher(one_device):
+    assert one_device["token_loss"] > 0  # 45 rows padded to 48: every row once, in order
+
+
+SPMD_EVERY_CHIP = """
+from tpu_helpers.env import configure_emulation
+
+configure_emulation(num_devices=8)
+import sys
+import torch_xla
+import torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
+from transformers.integrations.tpu import tpu_spmd_dataloader
+from tpu_helpers.spmd import device_mesh
+
+xr.use_spmd()
+xs.set_global_mesh(device_mesh(("fsdp",)))  # 8 devices on 'fsdp'; the model stays whole
+# CELLS
+# SPMD_TRAINER
+Trainer = SpmdTrainer  # build_trainer builds the notebook's SpmdTrainer: data parallel
+train_and_predict(sys.argv[1] + "/spmd.json")
+tok = byte_tokenizer()
+probe = build_trainer(tok, speeches(MAX_LEN))
+batch = next(iter(probe.get_test_dataloader([labelled(tok, t) for t in speeches(MAX_LEN)[:8]])))
+with open(sys.argv[1] + "/probe.json", "w") as f:
+    json.dump(dict(sharding=torch_xla._XLAC._get_xla_sharding_spec(batch["input_ids"]),
+                   devices=xr.global_runtime_device_count(), processes=xr.world_size()), f)
+"""
+
+
+@pytest.mark.one_line  # the SPMD Trainer runs on 2.8 in test_hf_fsdp.py and notebook 12, section 3
+def test_trainer_on_every_chip_over_8_virtual_devices_under_spmd(tmp_path, one_device):
+    """One SPMD process, 8 virtual devices: section 3's SpmdTrainer (its three loaders through
+    transformers' tpu_spmd_dataloader, the model replicated) trains data-parallel and predicts
+    every row once, in order; each batch of 8 rows is split one row per device, and the loss
+    is one device's (the same global batches)."""
+    code = SPMD_EVERY_CHIP.replace("# CELLS\n", every_chip_source()).replace(
+        "# SPMD_TRAINER\n", spmd_trainer_source())
+    run_script(tmp_path, "spmd_every_chip.py", code, str(tmp_path), timeout=600)
+    report = _report(tmp_path / "spmd.json", world=1)  # one process: args.world_size == 1
+    probe = json.loads((tmp_path / "probe.json").read_text())
+    assert probe["devices"] == 8 and probe["processes"] == 1
+    assert probe["sharding"].startswith("{devices=[8,1]")
+    assert report["token_loss"] == pytest.approx(one_device["token_loss"], rel=1e-5)
+
+
+GLOO_EVERY_CHIP = """
+import sys
+# CELLS
+
+def both(folder):  # the notebook's function, then the same Trainer on the rows unpadded
+    train_and_predict(folder + "/gloo.json")
+    tok, texts = byte_tokenizer(), speeches(MAX_LEN)
+    trainer = build_trainer(tok, texts)
+    trainer.args.dataloader_drop_last = False  # else 45 rows on 8 x 8 score none
+    given = [labelled(tok, t) for t in texts[-EVAL_ROWS:]]
+    out = trainer.predict(given)
+    if trainer.is_world_process_zero():
+        Path(folder + "/unpadded.json").write_text(json.dumps(dict(
+            returned=len(out.label_ids),
+            in_order=np.array_equal(out.label_ids, [g["labels"] for g in given]))))
+
+
+notebook_launcher(both, args=(sys.argv[1],), num_processes=8, use_port=sys.argv[2])
+"""
+
+
+@pytest.mark.one_line  # runs no torch_xla (USE_TORCH_XLA=0): CPU tensors over gloo
+def test_trainer_on_every_chip_in_8_gloo_processes(tmp_path, monkeypatch):
+    """notebook_launcher(num_processes=8) without Colab/Kaggle: elastic_launch forks 8 real
+    processes; with USE_TORCH_XLA=0 and ACCELERATE_USE_CPU=true accelerate joins them with gloo
+    (MULTI_CPU). accelerate's BatchSamplerShard gives each rank 8 of the 64 padded rows and
+    gather_for_metrics returns all 64, in order. Without MpDeviceLoader's thread the trim fires
+    at the last batch, so the unpadded 45 come back once too (drop_last off)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("USE_TORCH_XLA", "0")  # transformers and accelerate leave torch_xla alone
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # the Trainer asks accelerate for MULTI_CPU
+    code = GLOO_EVERY_CHIP.replace("# CELLS\n", every_chip_source())
+    run_script(tmp_path, "gloo_every_chip.py", code, str(tmp_path), str(port), timeout=600)
+    _report(tmp_path / "gloo.json", world=8)  # 45 rows padded to 64, 8 per rank
+    assert json.loads((tmp_path / "unpadded.json").read_text()) == {"returned": 45,
+                                                                    "in_order": True}

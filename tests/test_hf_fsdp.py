@@ -1,4 +1,4 @@
-"""Notebook 11, section 7: FSDPv2 with the Trainer (transformers 5.24.0) on 4 virtual devices under
+"""Notebook 12, section 3: FSDPv2 with the Trainer (transformers 5.24.0) on 4 virtual devices under
 SPMD, with a real Trainer and real torch_xla; the SPMD runs share one fresh process of their own
 (SPMD is process-wide). The notebook's own script is run as written, taken from its cells."""
 

@@ -3,24 +3,30 @@ a real Accelerator and real torch_xla (XLA:CPU); FSDPv2 is in tests/test_hf_fsdp
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
+import time
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
     DataCollatorForLanguageModeling,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
 )
 
 from course.hf import (  # noqa: E402
+    IGNORE,
     XlaCounts,
     byte_tokenizer,
+    host_reads,
     pad_eval_rows,
     per_row_loss,
     shard_rows,
@@ -94,6 +100,31 @@ def test_sdpa_reads_the_device_every_step_and_eager_never_before_the_end(tok, tm
     assert sum(reads["eager"][:-1]) == 0
 
 
+def test_sdpa_reads_once_without_padding_and_twice_with_it(tok):
+    """transformers 5.24.0 masking_utils ``_ignore_causal_mask_sdpa``: ``fast_all(padding_mask)``
+    (l.292) reads the device once; when the mask has padding, l.298 reads it a second time."""
+    import torch_xla
+
+    device = torch_xla.device()
+    model = tiny_gpt2(tok, MAX_LEN, attn="sdpa").to(device)
+    long = [t for t in speeches(4 * MAX_LEN) if len(t.encode()) > MAX_LEN][:4]
+    batches = {"no padding": tok(long, truncation=True, max_length=MAX_LEN, return_tensors="pt"),
+               "padding": tok(speeches(MAX_LEN)[:4], padding="max_length", max_length=MAX_LEN,
+                              return_tensors="pt")}
+    assert batches["no padding"]["attention_mask"].all()
+    assert not batches["padding"]["attention_mask"].all()
+    reads = {}
+    for name, batch in batches.items():
+        batch = {k: v.to(device) for k, v in batch.items()}
+        torch_xla.sync()
+        before = host_reads()
+        with torch.no_grad():
+            model(**batch)
+        torch_xla.sync()
+        reads[name] = host_reads() - before
+    assert reads == {"no padding": 1, "padding": 2}
+
+
 def test_autocast_trainer_keeps_float32_weights_after_a_step(tok, tmp_path):
     """Notebook 11, section 6: overriding autocast_smart_context_manager gives bf16 autocast
     with float32 master weights (bf16=False)."""
@@ -112,11 +143,26 @@ def test_autocast_trainer_keeps_float32_weights_after_a_step(tok, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
+def test_the_trainer_leaves_autocast_to_accelerate_which_wraps_forward_with_bf16(tok, tmp_path):
+    """Notebook 11, section 6: the Trainer's own autocast context is a null context ("We rely on
+    accelerate for autocast", trainer.py); with bf16=True on XLA:CPU accelerate's prepare_model
+    wraps ``forward`` in an autocast (accelerator.py), a second one under an override."""
+    trainer = Trainer(model=tiny_gpt2(tok, MAX_LEN), args=_args(tmp_path, bf16=True))
+    assert isinstance(trainer.autocast_smart_context_manager(), contextlib.nullcontext)
+    assert "We rely on accelerate for autocast" in Trainer.autocast_smart_context_manager.__doc__
+    assert trainer.accelerator.native_amp  # XLA:CPU: autocast; a TPU: XLA_USE_BF16 instead
+    model = trainer.accelerator.prepare_model(tiny_gpt2(tok, MAX_LEN))
+    assert hasattr(model, "_original_forward") and model.forward.__name__ == "forward"
+    assert "autocast_context(model_forward_func)" in inspect.getsource(
+        type(trainer.accelerator).prepare_model)
+
+
 @pytest.mark.parametrize("n", [45, 64, 65, 3])
 def test_eight_ranks_gather_duplicates_unless_trimmed(n):
     """accelerate's BatchSamplerShard for 8 simulated ranks: the gathered rows repeat samples
     to even out the last step; gather_for_metrics's trim (remainder = n % global batch) is what
-    makes it exactly once, and on XLA that trim never fires (next test)."""
+    makes it exactly once, and on XLA it fires when MpDeviceLoader's thread says, not at the
+    last batch (the tests below)."""
     world, glob = 8, 8 * B
     ranks = shard_rows(n, B, world, drop_last=False)
     assert len({len(r) for r in ranks}) == 1  # the same number of rows on every rank
@@ -133,7 +179,27 @@ def test_eight_ranks_gather_duplicates_unless_trimmed(n):
     assert len(set(dropped)) == n // glob * glob  # drop_last: the tail is never scored
 
 
+@pytest.mark.parametrize("n", [45, 7])
+def test_pad_eval_rows_pads_to_the_global_batch_at_world_sizes_1_and_8(n):
+    """The padded length is a multiple of per_replica_batch * world_size; accelerate's
+    BatchSamplerShard then gives each of the world_size ranks full batches, every row once."""
+    rows = [{"input_ids": [i] * 3, "attention_mask": [1] * 3, "labels": [i] * 3} for i in range(n)]
+    for world, want in ((1, -(-n // B) * B), (8, -(-n // (8 * B)) * 8 * B)):
+        padded = pad_eval_rows(rows, per_replica_batch=B, world_size=world, width=3, pad_id=256)
+        assert len(padded) == want and padded[:n] == rows  # the filler rows are the last ones
+        assert all(f == {"input_ids": [256] * 3, "attention_mask": [0] * 3, "labels": [IGNORE] * 3}
+                   for f in padded[n:])
+        for drop_last in (False, True):
+            ranks = shard_rows(len(padded), B, world, drop_last=drop_last)
+            assert [len(r) for r in ranks] == [len(padded) // world] * world
+            assert sorted(i for r in ranks for i in r) == list(range(len(padded)))
+    with pytest.raises(ValueError, match="world_size"):
+        pad_eval_rows(rows, per_replica_batch=B, world_size=0, width=3, pad_id=256)
+
+
 def test_end_of_dataloader_is_never_seen_in_the_loop_on_xla():
+    """6 batches: fewer than the 8 MpDeviceLoader's transfer thread waits for, so accelerate's
+    iterator has set the flag and unregistered before the loop gets its first batch."""
     from accelerate import Accelerator
 
     acc = Accelerator()
@@ -146,6 +212,73 @@ def test_end_of_dataloader_is_never_seen_in_the_loop_on_xla():
     assert rows == 45 and not any(seen)
 
 
+def _wait_for_the_flag(gradient_state, timeout=120.0) -> bool:
+    """Hold the loop until accelerate's end-of-loader flag is set (MpDeviceLoader's queues full)."""
+    deadline = time.monotonic() + timeout
+    while not gradient_state.end_of_dataloader and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return gradient_state.end_of_dataloader
+
+
+def test_the_early_flag_cuts_batches_1_to_7_of_a_33_batch_loader():
+    """The race made certain (notebook 11, section 5): the loop holds batch 1 until the flag is set.
+    MpDeviceLoader's queues then hold batches 2-9 (device, 8), 10-16 (the transfer thread) and
+    17-32 (host, 16); accelerate's iterator has read past batch 33, set the flag (data_loader.py
+    l.604) and waits to queue 33. It unregisters (l.611) only once the transfer thread takes
+    17-24, after the loop took batch 8: gather_for_metrics cuts batches 1-7 to remainder rows.
+    Padded to remainder 0, the same early flag cuts nothing."""
+    from accelerate import Accelerator
+
+    acc = Accelerator()
+    rows, flag = {}, {}
+    for n in (32 * 8 + 5, 33 * 8):
+        loader = acc.prepare(torch.utils.data.DataLoader(torch.arange(n), batch_size=8))
+        it = iter(loader)
+        first = next(it)
+        flag[n] = _wait_for_the_flag(acc.gradient_state)
+        rows[n] = [acc.gather_for_metrics(first).shape[0]]
+        rows[n] += [acc.gather_for_metrics(batch).shape[0] for batch in it]
+    assert flag == {261: True, 264: True} and len(rows[261]) == len(rows[264]) == 33
+    assert rows[261][:7] == [5] * 7 and sum(rows[261]) <= 261 - 7 * 3
+    assert rows[264] == [8] * 33
+
+
+class _HoldFirstBatch(TrainerCallback):
+    """At the first prediction step, wait for the flag, as a slow first step (a compile) does."""
+
+    def __init__(self):
+        self.trainer, self.flag = None, None
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if self.flag is None:
+            self.flag = _wait_for_the_flag(self.trainer.accelerator.gradient_state)
+
+
+def test_the_early_trim_loses_rows_and_padding_returns_every_row(tok, tmp_path):
+    """A real Trainer.predict, one replica, drop_last=False, 261 rows (33 batches, remainder 5),
+    held at its first batch: batches 2-7 are gathered with the flag set, at least 18 rows lost,
+    no warning. Padded to 264 (pad_eval_rows), every row comes back, in order."""
+    texts = speeches(MAX_LEN)[:261]
+    feats = [{**f, "labels": [t if m else IGNORE for t, m in
+                              zip(f["input_ids"], f["attention_mask"], strict=True)]}
+             for f in (tok(t, padding="max_length", max_length=MAX_LEN) for t in texts)]
+    model = tiny_gpt2(tok, MAX_LEN, layers=1)
+    out = {}
+    for name, rows in (("given", feats), ("padded", pad_eval_rows(
+            feats, per_replica_batch=8, world_size=1, width=MAX_LEN, pad_id=tok.pad_token_id))):
+        hold = _HoldFirstBatch()
+        trainer = Trainer(model=model, args=_args(tmp_path, per_device_eval_batch_size=8,
+                                                  dataloader_drop_last=False),
+                          preprocess_logits_for_metrics=per_row_loss, callbacks=[hold])
+        hold.trainer = trainer
+        out[name] = (trainer.predict(rows), rows, hold.flag)
+    given, _, flag = out["given"]
+    assert flag and len(given.label_ids) <= 261 - 6 * 3
+    padded, rows, flag = out["padded"]
+    assert flag and len(rows) == 264 and len(padded.label_ids) == 264
+    assert np.array_equal(padded.label_ids, [f["labels"] for f in rows])
+
+
 def test_drop_last_drops_eval_samples_and_padded_eval_counts_each_token_once(tok, tmp_path):
     texts = speeches(MAX_LEN)[-10:]
     feats = [tok(t, padding="max_length", max_length=MAX_LEN) for t in texts]
@@ -156,7 +289,8 @@ def test_drop_last_drops_eval_samples_and_padded_eval_counts_each_token_once(tok
     labelled = [{**f, "labels": [t if m else -100 for t, m in
                                  zip(f["input_ids"], f["attention_mask"], strict=True)]}
                 for f in feats]
-    padded = pad_eval_rows(labelled, B, MAX_LEN, tok.pad_token_id)
+    padded = pad_eval_rows(labelled, per_replica_batch=B, world_size=1, width=MAX_LEN,
+                           pad_id=tok.pad_token_id)
     assert len(padded) == 12
     metrics = Trainer(model=model, args=_args(tmp_path), compute_metrics=token_loss,
                       preprocess_logits_for_metrics=per_row_loss).evaluate(padded)
