@@ -1,0 +1,132 @@
+"""tpu_helpers.watchdog with real processes: gloo ranks (XLA:CPU has no cross-process XLA
+collectives) that hang the ways replicas hang on a TPU: one rank with one batch more than the
+others, a collective called on one rank only, a loader worker that never returns. The monitor
+names the rank, its step and phase and the line it waits in, within twice the timeout; a long
+first step (a compile) and a healthy 8-rank run raise no alarm."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import pytest
+from conftest import REPO, forked_ranks
+
+from tpu_helpers.watchdog import Monitor
+
+STEPS = 12
+WORKER = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from tpu_helpers import watchdog
+
+rank, world, folder, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, "init"),
+                        rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+watchdog.start_replica(folder, rank, sample_every=None)
+
+
+class Rows(Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        if case == "data" and rank == 1 and i == 8:
+            time.sleep(10**6)  # a loader worker that never returns a batch
+        return torch.ones(2)
+
+
+batches = iter(DataLoader(Rows(), batch_size=1, num_workers=1 if case == "data" else 0))
+steps = {"uneven": 12 + (rank == 0)}.get(case, 12)  # rank 0: one batch more
+for step in range(1, steps + 1):
+    watchdog.tick(step - 1, "data")
+    x = next(batches)
+    watchdog.tick(step, "step")
+    time.sleep(1.5 if case == "compile" and step == 1 else 0.05)  # the first step's compile
+    dist.all_reduce(x)  # ALL_REDUCE
+    if case == "rendezvous" and rank == 0 and step == 8:
+        dist.barrier()  # RANK_CONDITIONAL
+watchdog.tick(steps, "collective")
+dist.barrier()  # END_OF_RUN
+watchdog.tick(steps, "done")
+"""
+LINE = {name: 1 + next(i for i, line in enumerate(WORKER.split("\n")) if f"# {name}" in line)
+        for name in ("ALL_REDUCE", "RANK_CONDITIONAL", "END_OF_RUN")}
+
+
+def watched(case: str, world: int, folder, **monitor_args) -> tuple[str | None, float, float]:
+    """Run ``world`` ranks of WORKER; poll a monitor until it fires (then stop the ranks) or
+    they finish. Returns the report, the seconds from the last progress to the alarm, and
+    the timeout."""
+    monitor = Monitor(folder, world, **monitor_args)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            forked_ranks(WORKER, [[str(r), str(world), str(folder), case] for r in range(world)],
+                         folder / "rank-", _env(), 300)
+        except BaseException as exc:  # the killed ranks fail forked_ranks: expected then
+            failed.append(exc)
+
+    ranks = threading.Thread(target=run)
+    ranks.start()
+    report, late = None, 0.0
+    while ranks.is_alive() and report is None:
+        time.sleep(0.2)
+        report = monitor.poll()
+    if report is not None:
+        late = time.monotonic() - max(s.since for s in monitor.seen.values())
+        monitor.stop_replicas()
+    ranks.join(60)
+    if report is None:
+        assert not failed, failed
+    return report, late, monitor.limit()
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _row(report: str, rank: int) -> str:
+    return next(line for line in report.splitlines() if re.match(rf"\s+{rank}\s+-?\d+\s", line))
+
+
+@pytest.mark.slow
+def test_one_rank_with_one_batch_more_is_named_with_its_line(tmp_path):
+    report, late, limit = watched("uneven", 3, tmp_path, min_timeout=1.5, factor=20)
+    print(report, f"\nalarm {late:.1f} s after the last progress (timeout {limit:.1f} s)")
+    assert report is not None and late <= 2 * limit
+    assert f"ahead: replica(s) 0 at step {STEPS + 1}" in report
+    assert f"<worker>:{LINE['ALL_REDUCE']} in <module>" in _row(report, 0)
+    assert f"<worker>:{LINE['END_OF_RUN']} in <module>" in _row(report, 1)
+
+
+@pytest.mark.slow
+def test_a_collective_on_one_rank_only_is_named(tmp_path):
+    report, late, limit = watched("rendezvous", 3, tmp_path, min_timeout=1.5, factor=20)
+    print(report)
+    assert report is not None and late <= 2 * limit
+    assert "behind: replica(s) 0 at step 8" in report
+    assert f"<worker>:{LINE['RANK_CONDITIONAL']} in <module>" in _row(report, 0)
+
+
+@pytest.mark.slow
+def test_a_loader_worker_that_never_returns_is_named_as_data(tmp_path):
+    report, late, limit = watched("data", 2, tmp_path, min_timeout=1.5, factor=20)
+    print(report)
+    assert report is not None and late <= 2 * limit
+    assert re.search(r"^\s+1\s+8\s+data\s", _row(report, 1))
+
+
+@pytest.mark.slow
+def test_a_long_first_step_is_not_an_alarm(tmp_path):
+    report, _, limit = watched("compile", 2, tmp_path, min_timeout=1.0, factor=20)
+    assert report is None and limit < 1.5  # the 1.5 s first step was longer than the timeout
+
+
+@pytest.mark.slow
+def test_a_healthy_run_of_eight_ranks_is_not_an_alarm(tmp_path):
+    report, _, _ = watched("healthy", 8, tmp_path, min_timeout=3.0, factor=20)
+    assert report is None
