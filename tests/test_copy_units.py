@@ -130,7 +130,7 @@ WARM = [s.stem for s in SCRIPTS if imports_torch_xla_first(
 
 def test_warm_units_are_those_whose_script_imports_torch_xla_first():
     assert WARM == ["checkpoint", "device_loader", "launch", "predict", "spmd", "train",
-                    "watchdog"]
+                    "hang_watchdog"]
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,14 @@ import numpy as np
 import torch
 import torch_xla
 
+try:  # the hang watchdog (launch(..., watchdog=...)), inside the package or copied beside
+    from . import hang_watchdog
+except ImportError:
+    try:
+        import hang_watchdog  # type: ignore[no-redef]
+    except ImportError:  # launch.py copied alone: no watchdog
+        hang_watchdog = None
+
 
 def _write(path: Path, text: str) -> None:
     """Write ``text`` whole or not at all (the parent reads these files after a crash)."""
@@ -195,15 +203,34 @@ def check_picklable(fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
 
 
 def launch(fn: Callable[..., Any], args: tuple[Any, ...] = (), *,
-           start_method: str = "fork") -> None:
+           start_method: str = "fork", watchdog: bool | dict[str, Any] = False) -> None:
     """``torch_xla.launch``; checks first that ``fn`` and ``args`` pickle; a failure, even
     a native crash, raises :class:`ReplicaFailed` naming the rank, with its traceback (or
-    the stack faulthandler dumped)."""
+    the stack faulthandler dumped). ``watchdog`` (True, or ``hang_watchdog.Monitor``'s
+    arguments plus ``poll``/``report_only``): replicas that stop ticking are named and
+    stopped (``hang_watchdog.ReplicaHung``); needs ``hang_watchdog.py`` beside this file."""
     check_picklable(fn, args)
     report_dir = Path(tempfile.mkdtemp(prefix="tpu_helpers-launch-"))
+    monitor, saved = None, os.environ.get(getattr(hang_watchdog, "ENV", ""), "")
+    if watchdog:
+        if hang_watchdog is None:
+            raise ImportError("launch(watchdog=...) needs hang_watchdog.py beside launch.py")
+        opts = {} if watchdog is True else dict(watchdog)
+        watch = {k: opts.pop(k) for k in ("poll", "report_only") if k in opts}
+        monitor = hang_watchdog.Monitor(report_dir / "watchdog", **opts)
+        os.environ[hang_watchdog.ENV] = str(monitor.folder)  # replicas inherit it: each tick
+        hang_watchdog.watch(monitor, **watch)                # writes to its slot there
     try:
         torch_xla.launch(_Reported(fn, str(report_dir)), args=args, start_method=start_method)
     except BrokenProcessPool as exc:
+        if monitor is not None and monitor.fired:
+            raise hang_watchdog.ReplicaHung(monitor.last_report) from None
         raise _blame(report_dir) from exc
     finally:
+        if monitor is not None:
+            monitor.done = True
+            if saved:
+                os.environ[hang_watchdog.ENV] = saved
+            else:
+                os.environ.pop(hang_watchdog.ENV, None)
         shutil.rmtree(report_dir, ignore_errors=True)

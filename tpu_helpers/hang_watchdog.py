@@ -79,10 +79,10 @@ def _sample_compiles(slot: mmap.mmap, every: float) -> None:
         time.sleep(every)
 
 
-def tick(step: int, phase: str = "step") -> None:
-    """Record this replica's progress: ``step`` (optimizer steps done or the batch being
-    predicted) and ``phase`` (one of :data:`PHASES`). A no-op without a watchdog; with the
-    launcher's folder in the environment, the first tick opens the slot."""
+def tick(step: int | None = None, phase: str = "step") -> None:
+    """Record this replica's progress: ``step`` (optimizer steps done, or the batch being
+    predicted; None: the last one) and ``phase`` (one of :data:`PHASES`). A no-op without a
+    watchdog; with the launcher's folder in the environment, the first tick opens the slot."""
     slot = _state.get("slot")
     if slot is None:
         folder = os.environ.get(ENV)
@@ -92,8 +92,10 @@ def tick(step: int, phase: str = "step") -> None:
 
         start_replica(folder, xr.global_ordinal())
         slot = _state["slot"]
+    step = _state.get("step", 0) if step is None else step
     if _state["first"] is None:  # warm-up is counted from here (a resumed run starts late)
         _state["first"] = step
+    _state["step"] = step
     _HEAD.pack_into(slot, 0, _state["pid"], _state["first"], step, _PHASE[phase],
                     time.monotonic())
 
@@ -119,12 +121,15 @@ class Monitor:
     progress. :meth:`poll` returns the report when it fires."""
 
     folder: Path
-    world: int
+    world: int | None = None  # None: every replica that has opened a slot in the folder
     timeout: float | None = None
     min_timeout: float = 120.0
     factor: float = 20.0
     warmup: int = 3
     seen: dict[int, _Seen] = field(default_factory=dict)
+    fired: bool = False
+    done: bool = False  # set by the launcher when the run ends: the watching thread returns
+    last_report: str = ""
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
@@ -143,8 +148,7 @@ class Monitor:
             if self._armed(s) and step > s.step:
                 s.intervals = (s.intervals + [(at - s.step_at) / (step - s.step)])[-50:]
             s.step_at = at
-        if (step, PHASES[phase]) != (s.step, s.phase):
-            s.since = max(at, s.since)
+        s.since = max(at, s.since)  # any tick is progress (an evaluation ticks per batch)
         if compiles != s.compiles:  # a compile finished: the wait was XLA, not a hang
             s.since = now
         s.pid, s.step, s.phase, s.compiles = pid, step, PHASES[phase], compiles
@@ -163,16 +167,21 @@ class Monitor:
 
     def poll(self, now: float | None = None) -> str | None:
         now = time.monotonic() if now is None else now
-        replicas = [self._read(r, now) for r in range(self.world)]
+        ranks = (range(self.world) if self.world is not None else
+                 sorted(int(p.name[8:13]) for p in self.folder.glob("replica-*.slot")))
+        replicas = [self._read(r, now) for r in ranks]
         limit = self.limit()
         stuck = [r for r, s in enumerate(replicas)
                  if self._armed(s) and s.phase != "done" and now - s.since > limit]
-        return self.report(now, limit) if stuck else None
+        self.fired = self.fired or bool(stuck)
+        if stuck:
+            self.last_report = self.report(now, limit)
+        return self.last_report if stuck else None
 
     def report(self, now: float, limit: float) -> str:
         """Every replica's step, phase, idle time and the line it waits in (its stack)."""
         stacks = self.stacks()
-        rows = [f"tpu_helpers.watchdog: no progress for longer than {limit:.1f} s",
+        rows = [f"tpu_helpers.hang_watchdog: no progress for longer than {limit:.1f} s",
                 f"{'replica':>7}  {'step':>6}  {'phase':10}  {'idle':>7}  where it waits"]
         for r, s in sorted(self.seen.items()):
             rows.append(f"{r:>7}  {s.step:>6}  {s.phase:10}  {now - s.since:6.1f}s  "
@@ -242,7 +251,7 @@ def watch(monitor: Monitor, *, poll: float = 0.5, report_only: bool = False,
     """Run ``monitor`` in a daemon thread; when it fires, print the report to stderr, then
     (unless ``report_only``) stop every replica and call ``on_fire(report)``."""
     def loop() -> None:
-        while True:
+        while not monitor.done:
             time.sleep(poll)
             report = monitor.poll()
             if report:
@@ -253,7 +262,7 @@ def watch(monitor: Monitor, *, poll: float = 0.5, report_only: bool = False,
                     monitor.stop_replicas()
                 return
 
-    thread = threading.Thread(target=loop, name="tpu_helpers.watchdog", daemon=True)
+    thread = threading.Thread(target=loop, name="tpu_helpers.hang_watchdog", daemon=True)
     thread.start()
     return thread
 

@@ -1,10 +1,10 @@
-# copies: watchdog.py
+# copies: hang_watchdog.py
 # Your own loop under torch_xla.launch, no launcher of ours (a Kaggle kernel): each replica ticks
 # its progress; rank 0's monitor thread names the replica that stopped, where, and ends the run.
 import os, tempfile, time
 from concurrent.futures.process import BrokenProcessPool
 import torch, torch_xla
-import watchdog
+import hang_watchdog as watchdog
 folder = tempfile.mkdtemp()
 
 def my_loop(rank):

@@ -1,4 +1,4 @@
-"""tpu_helpers.watchdog with real processes: gloo ranks (XLA:CPU has no cross-process XLA
+"""tpu_helpers.hang_watchdog with real processes: gloo ranks (XLA:CPU has no cross-process XLA
 collectives) that hang the ways replicas hang on a TPU: one rank with one batch more than the
 others, a collective called on one rank only, a loader worker that never returns. The monitor
 names the rank, its step and phase and the line it waits in, within twice the timeout; a long
@@ -14,14 +14,14 @@ import time
 import pytest
 from conftest import REPO, forked_ranks
 
-from tpu_helpers.watchdog import Monitor
+from tpu_helpers.hang_watchdog import Monitor
 
 STEPS = 12
 WORKER = """
 import datetime, os, sys, time
 import torch, torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
-from tpu_helpers import watchdog
+from tpu_helpers import hang_watchdog as watchdog
 
 rank, world, folder, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, "init"),
@@ -130,3 +130,39 @@ def test_a_long_first_step_is_not_an_alarm(tmp_path):
 def test_a_healthy_run_of_eight_ranks_is_not_an_alarm(tmp_path):
     report, _, _ = watched("healthy", 8, tmp_path, min_timeout=3.0, factor=20)
     assert report is None
+
+
+LAUNCHED = """
+import time
+import torch, torch_xla
+from tpu_helpers import hang_watchdog
+from tpu_helpers.launch import launch
+
+
+def loop(rank):  # a user's own loop: one tick per step, nothing else
+    for step in range(1, 40):
+        hang_watchdog.tick(step - 1, "data")
+        if step == 6:
+            time.sleep(10**6)  # the next batch never comes
+        keep = torch.ones(4, device=torch_xla.device()) * step
+        hang_watchdog.tick(step, "step")
+        torch_xla.sync()
+
+
+started = time.monotonic()
+try:
+    launch(loop, watchdog={"min_timeout": 1.0, "poll": 0.2})
+except hang_watchdog.ReplicaHung as exc:
+    print(f"HUNG after {time.monotonic() - started:.1f} s", exc, sep="\\n")
+"""
+
+
+def test_launch_with_a_watchdog_names_and_stops_a_hung_replica():
+    """tpu_helpers.launch runs the monitor; the replica's first tick opens its slot (the
+    folder comes through the environment), and the hang ends as ReplicaHung."""
+    from conftest import run_python
+
+    out = run_python(LAUNCHED, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}).stdout
+    print(out)
+    assert "HUNG after" in out
+    assert re.search(r"^\s+0\s+5\s+data\s+\S+\s+<string>:\d+ in loop", out, re.M), out
