@@ -44,7 +44,7 @@ for step in range(1, steps + 1):
     watchdog.tick(step - 1, "data")
     x = next(batches)
     watchdog.tick(step, "step")
-    time.sleep(1.5 if case == "compile" and step == 1 else 0.05)  # the first step's compile
+    time.sleep(4.0 if case == "compile" and step == 1 else 0.05)  # the first step's compile
     dist.all_reduce(x)  # ALL_REDUCE
     if case == "rendezvous" and rank == 0 and step == 8:
         dist.barrier()  # RANK_CONDITIONAL
@@ -121,15 +121,11 @@ def test_a_loader_worker_that_never_returns_is_named_as_data(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_long_first_step_is_not_an_alarm(tmp_path):
-    report, _, limit = watched("compile", 2, tmp_path, min_timeout=1.0, factor=20)
-    assert report is None and limit < 1.5  # the 1.5 s first step was longer than the timeout
-
-
-@pytest.mark.slow
-def test_a_healthy_run_of_eight_ranks_is_not_an_alarm(tmp_path):
-    report, _, _ = watched("healthy", 8, tmp_path, min_timeout=3.0, factor=20)
-    assert report is None
+def test_a_healthy_run_of_eight_ranks_with_a_long_first_step_is_not_an_alarm(tmp_path):
+    """The first step takes 4 s (a compile on a TPU can take minutes), longer than the 2.5 s
+    timeout: the monitor is not armed before the warm-up steps are done."""
+    report, _, limit = watched("compile", 8, tmp_path, min_timeout=2.5, factor=20)
+    assert report is None and limit < 4.0
 
 
 LAUNCHED = """

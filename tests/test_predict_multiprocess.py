@@ -1,6 +1,6 @@
 """tpu_helpers.predict and ordering's rank files in fresh processes: real multi-process
-gathering (torch.distributed with gloo, 3 processes), SPMD on 4 and 8 virtual devices, and
-world size 1 under ``torch_xla.launch``.
+gathering (torch.distributed with gloo, 3 processes; labelled and unlabelled items), SPMD on 4
+and 8 virtual devices, and world size 1 under ``torch_xla.launch``.
 
 XLA:CPU cannot run cross-process XLA collectives (pytorch/xla issue 9089), so the
 multi-process test joins real processes with gloo for the collective
@@ -68,6 +68,13 @@ for n, batch in json.loads(sys.argv[4]):
     if n == 37:  # every rank asks for the result
         everyone = predict(model, loader, options=PredictOptions(backend=backend, all_ranks=True))
         np.save(f"{out}/all-{n}-rank{rank}.npy", everyone.values)
+# unlabelled items, as a test file's: each item the image alone (a tensor), no label
+unlabelled = list(torch.from_numpy(x[:37]))
+pred = predict(model, make_eval_loader(unlabelled, 4 * world, world_size=world, rank=rank),
+               options=opts)
+if pred is not None:
+    np.save(f"{out}/unlabelled.npy", pred.values)
+    report["unlabelled_index"] = pred.index.tolist()
 # outputs too big to gather: every rank writes its own rows to a rank file, the master merges
 loader = make_eval_loader(ds, 16 * world, world_size=world, rank=rank)
 own = predict(model, loader, options=PredictOptions(backend=backend, gather=False,
@@ -135,6 +142,9 @@ def test_three_real_processes_gather_exactly_once_in_order(tmp_path):
         f"rank{r:05d}-of-00003.npz" for r in range(world)]
     assert sum(r["own_rows"] for r in reports) == 360  # no rank held more than its own
     assert all(r["names_ok"] for r in reports)
+    assert reports[0]["unlabelled_index"] == list(range(37))  # unlabelled: once, in order
+    np.testing.assert_allclose(np.load(tmp_path / "unlabelled.npy"), full[:37],
+                               rtol=1e-5, atol=1e-5)
     for name in ("padded", "own"):  # 2 samples on 3 ranks: rank 2 has no rows, its file none
         assert [r[f"few-{name}-rows"] for r in reports] == [1, 1, 0]
         np.testing.assert_allclose(np.load(tmp_path / f"few-{name}.npy"), full[:2],

@@ -1,8 +1,9 @@
 """Prediction without labels, as a competition's test file has none: ``make_eval_loader`` and
 ``predict`` take items that are a tensor, a 1-tuple, a dict or a numpy array, as well as
 ``(x, y)``; every row comes back once, in dataset order, so the user's ids line up. World size
-1 in this process (real torch_xla), 3 and 8 as real processes joined by gloo (XLA:CPU has no
-cross-process XLA collectives: ``TorchDistributedReplicas`` stands in for ``xm.all_gather``).
+1 in this process (real torch_xla), 8 here and 3 in ``test_predict_multiprocess.py`` as real
+processes joined by gloo (XLA:CPU has no cross-process XLA collectives:
+``TorchDistributedReplicas`` stands in for ``xm.all_gather``).
 Bad input is named by its dataset index before a compile."""
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [3, 8])
+@pytest.mark.parametrize("world", [8])  # 3 ranks: tests/test_predict_multiprocess.py
 def test_unlabelled_test_file_from_every_rank_to_one_submission(world, tmp_path):
     rng = np.random.default_rng(world)
     n = 4 * world * 3 + 5  # three full steps and a padded one
