@@ -344,15 +344,14 @@ def shell_findings(text: str, shell: dict[int, str], file: str) -> list[Finding]
     lines = {**shell, **{at(m): m[2] for m in re.finditer(_SYSTEM, text)}}
     lines |= {at(m): m[1] for m in re.finditer(r"^# ?(?:!|%pip) ?(.*)$", text, re.M)
               } if "\n# %%" in text else {}
-    out, last, rule = [], -9, lambda k, n, w, note=None: Finding(  # noqa: E731
+    out, rule = [], lambda k, n, w, note=None: Finding(  # noqa: E731
         k, "info" if note else RULES[k][0], file, n, note or RULES[k][1].format(w), *RULES[k][2:])
     for n, cmd in sorted(lines.items()):
         cmd = re.sub(r"\$\{?(\w+)\}?|\{(\w+)\}", lambda m: strs.get(m[1] or m[2], m[0]), cmd)
-        if (old := re.findall(_OLD, cmd)) and last < n - 1:  # one per block of lines
+        if old := re.findall(_OLD, cmd):
             what = next((o for o in old if o[:5] != "cloud"), None)
             out.append(rule("stale-install-pin", n, what or old[0], None if what else "cloud-tpu-"
                             "client: the TPU-Node client; torch_xla 2.x does not use it"))
-        last = n if old else last
         if (m := re.search(r"xla_spawn\.py.*--num_cores[= ](\d+)", cmd)) and m[1] != "1":
             out.append(rule("launch-nprocs", n, f"xla_spawn.py --num_cores {m[1]}: its xmp.spawn("
                             f"nprocs={m[1]}) raises ValueError (None or 1 only)"))
