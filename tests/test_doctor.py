@@ -1,9 +1,11 @@
 """The TPU doctor (tpu_helpers/doctor.py, its --run pass doctor_run.py): its corpus, precision
 and recall, both passes.
 
-The corpus (issue 27): tests/doctor_corpus/*.py name their expected findings on their first lines
-(``# expect: kind@line ...``, ``# expect --run: kind@line ...``): the four articles' code, scripts
-that trigger each dynamic finding for real, a fixed loop that must stay clean; plus
+The corpus (issues 27, 37): tests/doctor_corpus/*.py name their expected findings on their first
+lines (``# expect: kind@line ...``, ``# expect --run: kind@line ...``): the four articles' code,
+scripts that trigger each dynamic finding for real, a fixed loop that must stay clean, the patterns
+of 26 public scripts and notebooks (pub_*.py: written here, each naming the public files it
+models; their precision traps must stay clean); plus
 examples/port/ (the ports must be clean) and the course's notebooks, read as users give them
 (``.ipynb``), whose only findings are the faults the notebooks show on purpose (matched by cell
 id, so edits to other cells do not move them). Findings of severity "info" are notes, not alarms:
@@ -50,11 +52,11 @@ NOTEBOOKS = {
 #: (test_a_read_every_n_steps_is_a_note_not_an_alarm).
 PORT_EXPECTED = {"original.py": ["cuda-only@127", "ragged-batches@130"],
                  "port_minimal.py": [], "port_toolkit.py": []}
-#: Floors: the measured values rounded down (36 of 37 alarms right, 36 of 38 faults found), so
-#: one more false alarm (36/38) or one more missed fault (35/38) fails this test. The misses are
-#: notebook 05's masked indexing and `if` inside loss functions handed to the step as arguments;
-#: the false alarm is notebook 08's float() of a CPU tensor after a gloo DDP step.
-PRECISION_FLOOR, RECALL_FLOOR = 0.96, 0.94
+#: Floors: the measured values rounded down (68 of 68 alarms right, 68 of 71 faults found), so
+#: one more false alarm (68/69) or one more missed fault (67/71) fails this test. The misses are
+#: notebook 05's masked indexing and `if` inside loss functions handed to the step as arguments,
+#: and pub_helper_meter.py's reads inside a helper method the step calls.
+PRECISION_FLOOR, RECALL_FLOOR = 0.99, 0.95
 DYNAMIC = sorted(CORPUS.glob("dyn_*.py"))
 
 
