@@ -112,6 +112,29 @@ def test_ipython_lines_are_skipped_and_lines_stay_put(tmp_path):
         ("removed-api", 4, 3, 8), ("removed-api", 5, 4, 2)], found  # no crash: still Python
 
 
+def test_shell_lines_are_read_for_the_install_and_launch_rules(tmp_path):
+    """``!`` lines (with ``\\`` continuations), ``%env`` and ``%%bash`` bodies: installs of the
+    torch_xla 1.x era (one finding per block of lines), ``xla_spawn.py --num_cores 8``, XRT
+    settings (a note); ``$NAME`` is the notebook's string; other shell lines say nothing."""
+    path = tmp_path / "old.ipynb"
+    cells = [
+        "VERSION = '1.7'\n!nvidia-smi\n!pip install cloud-tpu-client==0.10 \\\n"
+        "  https://storage.googleapis.com/tpu-pytorch/wheels/torch_xla-1.7-cp37-cp37m-linux.whl\n"
+        "!pip install torch_xla-$VERSION\nimport torch_xla",
+        "%env XRT_TPU_CONFIG=localservice;0;localhost:51011\n!pip install -q torch_xla",
+        "%%bash\npython transformers/examples/xla_spawn.py --num_cores 8 run_mlm.py",
+        "!pip install cloud-tpu-client==0.10",
+    ]
+    path.write_text(json.dumps({"cells": [
+        {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+         "source": src.splitlines(keepends=True)} for src in cells],
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 4}))
+    found = [(f.kind, f.severity, f.cell, f.line) for f in doctor.check(str(path)).findings]
+    assert found == [("stale-install-pin", "error", 1, 3), ("stale-install-pin", "error", 1, 5),
+                     ("stale-env-setting", "info", 2, 1), ("launch-nprocs", "error", 3, 2),
+                     ("stale-install-pin", "info", 4, 1)]  # cloud-tpu-client alone: a note
+
+
 BAD_INPUTS = {  # name -> (bytes, or None for a folder; what the one-line reason says)
     "binary.py": (b"\x7fELF\x02\x01\x01\x00\x00", "binary"),
     "latin1.py": ("print('café')\n".encode("latin-1"), "not UTF-8"),

@@ -1,7 +1,7 @@
-# expect: removed-api@8 wrong-backend@11 removed-api@21 removed-api@22 no-distributed-sampler@25
+# expect: removed-api@8 wrong-backend@11 removed-api@21 removed-api@22
 # "How can prediction results be gathered on a TPU using PyTorch?" (a Q&A article, 2025),
-# Example 1 as the article prints it (the course corrects it in notebooks 04 and 08). MyModel,
-# MyDataset, batch_size and num_workers are the article's own placeholders: never run.
+# Example 1 as printed (notebooks 04, 08 correct it; its loader feeds predictions, not training:
+# no sampler finding). MyModel, MyDataset, batch_size, num_workers: its placeholders, never run.
 # ruff: noqa
 import torch
 import torch.distributed as dist
