@@ -584,6 +584,27 @@ class _Child:
         self.log.close()
 
 
+def watchdog_tick_us(n: int = 100_000, rounds: int = 5) -> float:
+    """Host microseconds of one ``hang_watchdog.tick`` into an open slot, as in a watched
+    replica (``fit`` ticks twice per step: "step" when a batch arrives, "data" after the step);
+    the median of ``rounds`` timings of ``n`` ticks, in a child process of its own."""
+    code = f"""
+import statistics, sys, tempfile, time
+from tpu_helpers import hang_watchdog
+hang_watchdog.start_replica(tempfile.mkdtemp(), 0, sample_every=None)
+times = []
+for _ in range({rounds}):
+    start = time.perf_counter()
+    for i in range({n}):
+        hang_watchdog.tick(i, "step")
+    times.append((time.perf_counter() - start) / {n} * 1e6)
+print(statistics.median(times))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return float(out.stdout.split()[-1])
+
+
 def summarise(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per loop: medians over every warm run of every round."""
     rates, rows = {}, []
@@ -649,7 +670,13 @@ def run(quick: bool = False, rows: list[str] | None = None) -> list[dict[str, An
         finally:
             for child in children.values():
                 child.close()
-    return summarise({key: [result] for key, result in results.items()})
+    rows = summarise({key: [result] for key, result in results.items()})
+    tick_us = watchdog_tick_us()  # issue 38: the hang watchdog's ticks, against ours' host time
+    for row in rows:
+        if row["key"] == "d":
+            row["watchdog_us_per_step"] = round(2 * tick_us, 2)
+            row["watchdog_share_of_host"] = round(2 * tick_us / 1e3 / row["host_ms_per_step"], 5)
+    return rows
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:

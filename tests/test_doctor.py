@@ -34,9 +34,10 @@ CORPUS = REPO / "tests" / "doctor_corpus"
 PORT = REPO / "examples" / "port"
 #: The notebooks' deliberate faults (kind@cell id); every other cell must come out clean.
 NOTEBOOKS = {
-    "00_environment": [], "04_prediction_gathering": [], "06_lightning_on_tpu": [],
+    "00_environment": [], "04_prediction_gathering": [],
+    "06_lightning_on_tpu": ["lightning-removed-arg@a28d965d"],  # Trainer(**{"tpu_cores": 8}), shown
     "07_model_sharding_spmd": [], "09_transformers_variable_length": [],
-    "10_bigger_than_one_chip": [], "11_hugging_face_on_tpu": [], "12_accelerate_and_fsdp_v2": [],
+    "10_bigger_than_one_chip": [], "12_accelerate_and_fsdp_v2": [],
     "13_your_data_to_a_submission": [],
     "01_dataset_setup": ["ragged-batches@nb01-19b"],  # drop_last=False, shown and measured
     "02_parallel_loader": ["ragged-batches@nb02-07"],  # the custom-dataset article's loader
@@ -44,6 +45,7 @@ NOTEBOOKS = {
     "05_performance_debugging": [  # section 4's pitfalls (padding and bincount: --run only)
         "host-read-in-loop@644f656d", "host-read-in-loop@527ae4ff", "ragged-batches@f058499d",
         "dynamic-shape@1f1bf96b", "host-read-in-loop@d9d61893"],
+    "11_hugging_face_on_tpu": ["hf-default-optim@nb11-06"],  # section 2: the default Trainer fails
     "08_myths_and_facts": [  # the myths, run to show they fail or warn
         "wrong-backend@nb08-07", "wrong-backend@nb08-09", "launch-nprocs@nb08-20",
         "lightning-removed-arg@nb08-24", "deprecated-api@nb08-26", "deprecated-api@nb08-26"],
@@ -404,7 +406,7 @@ def flat_crash(tmp_path_factory):
     """The doctor pair copied flat into a folder with an old script, run there with --run 8
     (the corpus counts its dynamic findings too)."""
     tmp_path = tmp_path_factory.mktemp("flat")
-    for name in ("doctor.py", "doctor_run.py"):
+    for name in ("doctor.py", "doctor_run.py", "doctor_rules.toml"):
         shutil.copy(REPO / "tpu_helpers" / name, tmp_path / name)
     shutil.copy(CORPUS / "dyn_crash.py", tmp_path / "old_script.py")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
@@ -481,3 +483,71 @@ def test_doctor_pair_copied_flat_runs_both_passes(flat_crash):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert re.search(r"^\s+12\s+error\s+crash .*xrt_world_size", proc.stdout, re.M), proc.stdout
     assert re.search(r"^\s+12\s+error\s+removed-api", proc.stdout, re.M)
+
+
+#: What two rules of the catalogue say they measured, measured: a sync between backward() and the
+#: optimizer step runs each step as two graphs (sync-before-step), and torch_xla.device(n) with an
+#: index above 0 raises IndexError in a process with one device (xla-device-index).
+TWO_GRAPHS = r"""
+import json, torch, torch_xla, torch_xla.debug.metrics as met
+import torch_xla.core.xla_model as xm
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2).to(torch_xla.device())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(16, 8).to(torch_xla.device())
+out = {}
+for between in (False, True):
+    def step():
+        model(x).square().mean().backward()
+        if between:
+            torch_xla.sync()
+        optimizer.step(); optimizer.zero_grad(); torch_xla.sync()
+    for _ in range(3):  # warm-up: the compiles
+        step()
+    xm.wait_device_ops()  # executions are counted when they end
+    before = met.metric_data("ExecuteTime")[0]
+    for _ in range(5):
+        step()
+    xm.wait_device_ops()
+    out[str(between)] = (met.metric_data("ExecuteTime")[0] - before) / 5
+try:
+    xm.xla_device(1)
+except IndexError as exc:
+    out["index"] = f"IndexError: {exc}"
+out["devices"] = len(torch_xla.devices())
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_the_sync_and_device_index_rules_say_what_torch_xla_does():
+    from conftest import run_python
+    proc = run_python(TWO_GRAPHS, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"})
+    out = json.loads(proc.stdout.split("RESULT ")[-1])
+    print(out)
+    assert out["False"] == 1.0 and out["True"] == 2.0  # graph executions per step
+    assert out["devices"] == 1 and out["index"] == "IndexError: list index out of range"
+    source = "import torch_xla\nd = torch_xla.device(xr.global_ordinal())\ne = torch_xla.device()\n"
+    assert [(f.kind, f.line) for f in doctor.static_findings(source)] == [("xla-device-index", 2)]
+
+
+def test_call_rules_are_data_and_a_needed_version_below_is_skipped(monkeypatch):
+    """The Hugging Face rules need transformers >= 5 (what they were measured with): a rule that
+    needs a version newer than the installed one does not fire (installed here: 5.x)."""
+    import importlib.metadata
+    major = int(importlib.metadata.version("transformers").split(".")[0])
+    source = "from transformers import TrainingArguments\nTrainingArguments(output_dir='o')\n"
+    assert [f.kind for f in doctor.static_findings(source)] == ["hf-default-optim"]
+    rule = next(r for r in doctor_run.CALLS if r["kind"] == "hf-default-optim")
+    assert rule["needs"] == ["transformers", 5] and major >= 5
+    monkeypatch.setitem(rule, "needs", ["transformers", major + 1])  # the catalogue edited
+    assert doctor.static_findings(source) == []
+
+
+def test_every_kind_in_the_catalogue_is_found_somewhere_in_the_corpus():
+    """doctor_rules.toml's kinds each fire on some corpus file or notebook (the --run kinds: the
+    dyn_ files' `expect --run` lines), so no rule text is left without a rule."""
+    found = {e.split("@")[0] for p in sorted(CORPUS.glob("*.py")) for run in (False, True)
+             if not run or p in DYNAMIC for e in expected(p, run)}
+    found |= {e.split("@")[0] for faults in NOTEBOOKS.values() for e in faults}
+    missing = set(doctor_run.KINDS) - found - {"stale-env-setting"}  # notes: not in `expect`
+    assert not missing, f"kinds no corpus file expects: {sorted(missing)}"

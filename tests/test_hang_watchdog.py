@@ -16,6 +16,10 @@ from conftest import REPO, forked_ranks
 
 from tpu_helpers.hang_watchdog import Monitor
 
+# Issue 38: on both torch_xla lines (the monitor reads torch_xla's compile counter, launch and
+# train start the replicas through torch_xla.launch).
+pytestmark = pytest.mark.both_lines
+
 STEPS = 12
 WORKER = """
 import datetime, os, sys, time
@@ -162,3 +166,63 @@ def test_launch_with_a_watchdog_names_and_stops_a_hung_replica():
     print(out)
     assert "HUNG after" in out
     assert re.search(r"^\s+0\s+5\s+data\s+\S+\s+<string>:\d+ in loop", out, re.M), out
+
+
+TRAINED = """
+import sys, time
+import torch, torch.nn.functional as F
+from torch.utils.data import TensorDataset
+from tpu_helpers import hang_watchdog
+from tpu_helpers.train import Config, train
+
+
+class Rows(TensorDataset):  # the user's data: a row of the 20th batch fetched never comes back
+    calls = 0
+
+    def __getitem__(self, i):
+        Rows.calls += 1
+        if sys.argv[1] == "data" and Rows.calls == 19 * 32 + 1:
+            time.sleep(10**6)  # ROW_STALLS
+        return super().__getitem__(i)
+
+
+def loss(output, y):  # the user's loss: the 7th call never returns (case "step")
+    loss.calls = getattr(loss, "calls", 0) + 1
+    if sys.argv[1] == "step" and loss.calls == 7:
+        time.sleep(10**6)  # LOSS_STALLS
+    return F.cross_entropy(output, y)
+
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(0)
+    rows = Rows(torch.randn(1024, 1, 8, 8, generator=g), torch.randint(0, 10, (1024,), generator=g))
+    started = time.monotonic()
+    try:
+        train(Config(epochs=1, global_batch=32, watchdog=1.0, log_every=100), rows, loss_fn=loss)
+    except hang_watchdog.ReplicaHung as exc:
+        print(f"HUNG after {time.monotonic() - started:.1f} s", exc, sep="\\n")
+"""
+
+
+@pytest.mark.parametrize("case", ["step", "data"])
+def test_train_ticks_the_watchdog_so_a_stalled_replica_is_named(tmp_path, case):
+    """train() runs the monitor and fit ticks it: no change to the user's code. A loss that
+    never returns is named in phase "step" at its line; a row the loader never returns, in
+    phase "data" (the loader's worker thread: MpDeviceLoader's). A replica that never gets
+    its first batches never ticks: before warm-up nothing is judged (a compile can take minutes)."""
+    from conftest import run_script
+
+    proc = run_script(tmp_path, "trained.py", TRAINED, case, timeout=300)
+    out = proc.stdout
+    print(out)
+    assert "HUNG after" in out, proc.stderr[-3000:]
+    row = _row(out, 0)
+    if case == "step":
+        assert re.match(r"\s+0\s+6\s+step\s", row), row
+        line = 1 + next(i for i, t in enumerate(TRAINED.split("\n")) if "# LOSS_STALLS" in t)
+        assert f"trained.py:{line} in loss" in row, row
+    else:
+        # MpDeviceLoader's thread sends batches to the device 8 at a time (device_prefetch_size;
+        # _get_batch in parallel_loader.py at v2.8.0/v2.9.0): the loop waits a few batches early
+        step = int(re.match(r"\s+0\s+(\d+)\s+data\s", row).group(1))
+        assert 3 <= step < 19, row

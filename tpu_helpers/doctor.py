@@ -1,9 +1,6 @@
 """Check a training script before a TPU hour is spent: ``python -m tpu_helpers.doctor SCRIPT``.
-
-Copy it with ``doctor_run.py`` (the ``--run`` pass, the catalogue, the reader, the report); both
-import only the standard library. The static pass reads the source with :mod:`ast` (imports nothing
-from it) along the path a script takes on XLA: a branch false there, an old-version fallback, no.
-"""
+Copy it with ``doctor_run.py`` and ``doctor_rules.toml`` (standard library only). The static pass
+reads the source with :mod:`ast` (never imports it) along the path a script takes on XLA."""
 
 from __future__ import annotations
 
@@ -51,7 +48,7 @@ def _targets(t) -> list[str]:
         t, "value", None)] if isinstance(t, ast.Starred) else []) for x in _targets(e)]
 
 
-class _Static:
+class _Static(dr.StaticRules):
     def __init__(self, source: str, file: str):
         self.tree, self.file, self.source = ast.parse(source), file, source
         self.aliases, self.found, self.memo = dict(ALIASES), {}, {}
@@ -261,10 +258,7 @@ class _Static:
         if attr == "init_process_group" and (backend == "nccl" or backend == "gloo" and re.search(
                 r"torch_xla|jax|TPU|tpu", self.source) and not self.spmd):
             self.add(node, "wrong-backend", repr(backend))
-        for k in ("tpu_cores", "num_tpu_cores") if attr == "Trainer" else ():
-            k in kw and self.add(node, "lightning-removed-arg", k)
-        if name in ("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint"):
-            self.add(node, "torch-checkpoint-on-xla")
+        self.call_rules(node, name, kw)  # doctor_rules.toml's [[calls]] (doctor_run.py)
         for k, i in (("num_replicas", 1), ("rank", 2)) if attr.startswith(
                 "DistributedSampler") and self.launches else ():
             e = kw.get(k, node.args[i] if len(node.args) > i else None)
@@ -419,7 +413,9 @@ class _Static:
                 if w := self.read(n, names, scope):
                     self.add(n, "host-read-in-loop", w, note=self.gated(n, scope, w))
                 self.masked(n, scope) and self.add(n, "dynamic-shape")
+            self.sync_in_step(scope)
         self.loaders(scopes)
+        self.replica_hangs()
         return list(self.found.values())
 
 

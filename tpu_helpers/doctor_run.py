@@ -1,12 +1,11 @@
-"""The doctor's run and frame: the dynamic pass (``--run N``: N optimizer steps on XLA:CPU, read in
-torch_xla's metrics, its PT_XLA_DEBUG_LEVEL=2 analysis and fallback tracker), the findings'
-catalogue, the reader of scripts and notebooks (and their shell lines' checks), the report and the
-command line's body. Copy it with ``doctor.py``; standard library only, nothing from ``doctor.py``:
-the child loads this very file as its start-up hook (``_probe``), torch_xla only there."""
+"""The doctor's run and frame: the ``--run N`` pass (torch_xla's metrics, PT_XLA_DEBUG_LEVEL=2 and
+fallback tracker over N steps on XLA:CPU), the catalogue, rules of the static pass, the reader, the
+report, the command line. Nothing from ``doctor.py``: the child loads this file (``_probe``)."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import atexit
 import io
 import json
@@ -20,7 +19,10 @@ import time
 import tokenize
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from importlib import metadata
 from pathlib import Path
+
+import tomllib
 
 
 @dataclass
@@ -41,80 +43,89 @@ class Finding:  # one row of the report, from either pass (here: this file needs
 
 
 # --------------------------------------------------------------------------- the catalogue
-XM, TAGS = "torch_xla.core.xla_model", "pytorch/xla v2.8.0 and v2.9.0"
-_R, _D = "removed-api", "deprecated-api"
-_XM, _GONE = f"torch_xla/core/xla_model.py at {TAGS}", f"absent from xla_model.py at {TAGS}"
-_2_7 = "removed in torch_xla 2.7 (deprecated in 2.5)"  # xla_model.py at v2.5.1: l.43-50
-#: qualified name -> (kind, what changed, the fix, where it was read: checked at the tags).
-API = {
-    f"{XM}.xrt_world_size": (_R, _2_7, "torch_xla.runtime.world_size()", _GONE),
-    f"{XM}.get_ordinal": (_R, _2_7, "torch_xla.runtime.global_ordinal()", _GONE),
-    f"{XM}.parse_xla_device": (_R, _2_7, "torch.device(s).index", _GONE),
-    "torch_xla.distributed.xla_dist": (_R, "removed in torch_xla 2.1", "torch_xla.launch on each "
-                                       "host", f"in v2.0.0, absent at {TAGS}"),
-    "torch_xla.experimental.pjrt": (_R, "not in torch_xla 2.8/2.9", "torch_xla.runtime",
-                                    f"no torch_xla/experimental/pjrt.py at {TAGS}"),
-    "torch_xla.experimental.xla_sharding": (_R, "not in torch_xla 2.8/2.9", "torch_xla.distribu"
-                                            "ted.spmd", f"no xla_sharding.py at {TAGS}"),
-    "torch_xla.amp.GradScaler": (_R, "removed in torch_xla 2.9 (in 2.8)", "none: bfloat16 needs no"
-                                 " loss scaling", "torch_xla/amp/__init__.py at v2.8.0 vs v2.9.0"),
-    "jax.experimental.maps": (_R, "removed from JAX; torch_xla never used it", "torch_xla.launch"
-                              " or SPMD", "jax 0.7.2 (Colab/Kaggle TPU images): no maps.py"),
-    f"{XM}.xla_device": (_D, "@deprecated in torch_xla 2.8/2.9", "torch_xla.device()", _XM),
-    f"{XM}.mark_step": (_D, "@deprecated in torch_xla 2.8/2.9", "torch_xla.sync()", _XM),
-}
-_BF16 = (_D, "still obeyed in torch_xla 2.8/2.9, which print 'will be deprecated after the 2.6 "
-         "release'", "torch.autocast('xla', dtype=torch.bfloat16)",
-         f"torch_xla/csrc/dtype.cpp at {TAGS}")
-_FP16 = (_D, "deprecated", "bfloat16 autocast", f"torch_xla/__init__.py at {TAGS}")
-ENV = {"XLA_USE_BF16": _BF16, "XLA_DOWNCAST_BF16": _BF16, "XLA_USE_FP16": _FP16,
-       "XLA_DOWNCAST_FP16": _FP16}
-#: XRT / TPU-Node settings no file of torch_xla 2.8/2.9 reads (Python, csrc, _XLAC.so).
-STALE = {"XRT_TPU_CONFIG", "XRT_DEVICE_MAP", "XRT_WORKERS", "XRT_MESH_SERVICE_ADDRESS",
-         "XLA_TENSOR_ALLOCATOR_MAXSIZE", "COLAB_TPU_ADDR", "TPU_IP_ADDRESS"}
-#: kind -> (severity, what is wrong, the fix, where it was read): static findings' text ({}: what)
-RULES = {
-    "removed-api": ("error",), "deprecated-api": ("warning",),
-    "host-read-in-loop": ("warning", "in the training step: the host waits for the device, every "
-                          "step", "keep it on the device; xm.add_step_closure every N steps", ""),
-    "no-distributed-sampler": ("error", "a training DataLoader in the replicas without a sampler:"
-                               " every replica reads everything", "sampler=DistributedSampler("
-                               "ds, num_replicas=xr.world_size(), rank=xr.global_ordinal())", ""),
-    "ragged-batches": ("warning", "a training DataLoader without drop_last=True: the smaller last "
-                       "batch compiles a second graph", "DataLoader(..., drop_last=True)", ""),
-    "launch-nprocs": ("error", "{}", "torch_xla.launch(fn): one process per device (debug_single_"
-                      "process=True: one)", f"spawn in _internal/pjrt.py, torch_xla.py at {TAGS}"),
-    "wrong-backend": ("error", "backend {}: it does not reduce XLA tensors", "init_process_group("
-                      "'xla', init_method='xla://')", f"distributed/xla_backend.py at {TAGS}"),
-    "lightning-removed-arg": ("error", "Trainer({}=...): not in Lightning 2.x", "Trainer(accele"
-                              "rator='tpu', devices=8)", "Lightning 2.6 CHANGELOG, 2.6.6 itself"),
-    "cuda-only": ("error", "a CUDA piece: on a TPU host it fails or trains on the CPU",
-                  "torch_xla.device(); torch.autocast('xla', dtype=torch.bfloat16)", ""),
-    "torch-checkpoint-on-xla": ("warning", "torch's checkpoint has no optimization barrier: XLA "
-                                "merges the recomputation away", "torch_xla.utils.checkpoint."
-                                "checkpoint", f"torch_xla/utils/checkpoint.py at {TAGS}"),
-    "dynamic-shape": ("warning", "a data-dependent shape in the step: a CPU fallback and a graph "
-                      "per count", "a fixed shape: torch.where(mask, x, 0), masked sums", ""),
-    "rank-from-env": ("error", "{}: a launch sets no LOCAL_RANK/RANK/WORLD_SIZE (outside torchrun):"
-                      " one shard for all, or a KeyError", "rank=xr.global_ordinal(), num_replicas="
-                      "xr.world_size()", f"_internal/pjrt.py at {TAGS}: PJRT_LOCAL_PROCESS_RANK"),
-    "predicate-not-called": ("error", "{} without (): `== True` is always False, `if f:` always "
-                             "true", "call it: xm.is_master_ordinal()", f"xla_model.py at {TAGS}"),
-    "stale-env-setting": ("info", "{}: an XRT / TPU-Node setting torch_xla 2.8/2.9 do not read",
-                          "remove it (TPU VMs: PJRT_DEVICE=TPU)", f"not in torch_xla at {TAGS}"),
-    "stale-install-pin": ("error", "{}: a torch_xla 1.x (XRT) install: env-setup.py is gone, cp36/"
-                          "cp37 wheels do not install on Python 3.12/3.13", "keep the image's pair,"
-                          " or torch==2.9.0 'torch_xla[tpu]==2.9.0'", "pytorch/xla PR 6692"),
-    **{k: ("warning",) for k in ("recompiles", "cpu-fallback", "host-transfers")},
-    "crash": ("error",),
-}
+#: doctor_rules.toml, beside this file: each kind's severity, text, fix and source; the names and
+#: settings torch_xla 2.8/2.9 changed; the call rules (tomllib: Python >= 3.11).
+_CAT = tomllib.loads(Path(__file__).with_name("doctor_rules.toml").read_text().replace(
+    "{tags}", TAGS := "pytorch/xla v2.8.0 and v2.9.0"))
+XM, STALE, CALLS = "torch_xla.core.xla_model", set(_CAT["stale"]), _CAT["calls"]
+API, ENV = ({k: tuple(v) for k, v in _CAT[t].items()} for t in ("api", "env"))
+RULES = {k: tuple(r[f] for f in ("severity", "what", "fix", "source") if f in r) + ("",) * (
+    "source" not in r and "what" in r) for k, r in _CAT["rules"].items()}
 KINDS = tuple(RULES)
+
+
+def finding(kind: str, file: str, line: int, what: str, note=None, sev=None) -> Finding:
+    return Finding(kind, note and "info" or sev or RULES[kind][0], file, line, note or RULES[
+        kind][1].format(what), *RULES[kind][2:])  # note: an info with that text; sev: another
+
+
+# --------------------------------------------------------------------------- static pass's rules
+_RANK, _WORLD, _COLL = map(re.compile, map(_CAT["patterns"].get, ("rank", "world", "coll")))
+
+
+class StaticRules:
+    """doctor.py's ``_Static`` inherits these: call rules, a sync in the step, replica hangs."""
+
+    def call_rules(self, node: ast.Call, name: str, kw: dict) -> None:  # the toml's [[calls]]
+        named, val = len(kw) == len(node.keywords), lambda e: self.reaching(e.id, e) or e if (
+            isinstance(e, ast.Name)) else e  # a name: the value given it before (a dict...)
+        for d in (val(k.value) for k in node.keywords if k.arg is None):  # **{...}: its keys too
+            kw = {**{getattr(k, "value", 0): v for k, v in zip(getattr(d, "keys", ()), getattr(
+                d, "values", ()), strict=True)}, **kw}
+        for r in (r for r in CALLS if any(name == c or name.endswith("." + c) for c in r["call"])):
+            e = val(kw.get(r.get("keyword", "")))
+            i = next((kw[k] for k in r.get("index", ()) if k in kw), (node.args or [None])[0])
+            if all(("given" not in r or (g := next((k for k in r["given"] if k in kw), None)),
+                    "without" not in r or r["without"] not in kw and named,
+                    "value" not in r or e is not None and self.value(e) == (True, r["value"]),
+                    "contains" not in r or e is not None and r["contains"] in ast.unparse(e),
+                    "index" not in r or i is not None and getattr(i, "value", 1) not in (0, None),
+                    "file" not in r or re.search(r["file"], self.source),
+                    "needs" not in r or not any(int(v.version.split(".")[0]) < r["needs"][1] for
+                                                v in metadata.distributions(name=r["needs"][0])))):
+                self.add(node, r["kind"], g if "given" in r else "index" in r and ast.unparse(
+                    node).replace(XM, "xm") or "")
+
+    def sync_in_step(self, scope) -> None:  # backward(); a sync; the optimizer step: two graphs
+        calls = [c.value for c in self.own(scope) if isinstance(getattr(c, "value", 0), ast.Call)
+                 and isinstance(c, ast.Expr)]
+        body = lambda c: self.parents[self.parents[c]]  # noqa: E731  (the statement's block)
+        for s in (s for s in calls if self.qual(s.func) in (f"{XM}.mark_step", "torch_xla.sync")):
+            near = [(c.lineno > s.lineno, c) for c in calls if body(c) is body(s)]
+            if (False, "backward") in [(a, getattr(c.func, "attr", "")) for a, c in near] and any(
+                    a and self.is_step(c) for a, c in near):
+                self.add(s, "sync-before-step", ast.unparse(s.func).replace(XM, "xm"))
+
+    def replica_hangs(self) -> None:
+        """Collectives some replicas skip (rank test, break, return); shards of unequal length."""
+        gate = lambda n, stop=None: next((p for p in self.chain(n, stop) if isinstance(  # noqa: E731
+            p, (ast.If, ast.IfExp)) and _RANK.search(ast.unparse(p.test))), None)  # `if rank...`
+        coll = [c for c in self.calls if _COLL.search(self.qual(c.func))]
+        key = lambda c: (self.owner[c], self.qual(c.func), ast.unparse(c.args[:1]))  # noqa: E731
+        for c in (c for c in coll if gate(c) and [*map(key, coll)].count(key(c)) == 1):  # paired
+            self.add(c, "collective-on-some-ranks", f"{ast.unparse(c.func)} under `if "  # (once
+                     f"{ast.unparse(gate(c).test)}`".replace(XM, "xm"))  # per rank): fine
+        for b in self.of.get(ast.Break, []) + self.of.get(ast.Return, []):
+            loop = self.loop.get(b) if isinstance(b, ast.Break) else self.owner[b]
+            start = self.pos[b if loop is self.owner[b] else loop]  # a return: what follows it
+            if (g := gate(b, loop)) and any(start < self.pos[c] < self.end[loop] and not gate(c)
+                                            for c in coll):
+                self.add(b, "collective-on-some-ranks", f"{type(b).__name__.lower()} under `if "
+                         f"{ast.unparse(g.test)}`, before a collective the others still call")
+        for n in self.of.get(ast.Subscript, []) + self.calls:
+            sl, a = getattr(n, "slice", None), getattr(n, "args", [])
+            r, w = (sl.lower, sl.step) if isinstance(sl, ast.Slice) else (a[0], a[2]) if len(
+                a) == 3 and self.qual(n.func) == "range" else (None, None)
+            if r and w and _RANK.search(ast.unparse(r)) and _WORLD.search(ast.unparse(w)) and (
+                    any(map(self.is_step, self.by_owner.get(self.owner[n], []))) or "train" in
+                    ast.unparse(self.parents[n]).lower()):
+                self.add(n, "uneven-shard", ast.unparse(n))
+
+
 _FRAME = re.compile(r"^\s+(\S+) \((.+):(\d+)\)\s*$")  # "  fn (file:line)", as torch_xla prints it
-_SITECUSTOMIZE = """import importlib.util, os, sys
-_s = importlib.util.spec_from_file_location("_tpu_doctor_probe", os.environ["TPU_DOCTOR_FILE"])
-_m = sys.modules["_tpu_doctor_probe"] = importlib.util.module_from_spec(_s)
-_s.loader.exec_module(_m); _m._probe()
-"""
+_SITECUSTOMIZE = ("import importlib.util as u, os, sys\n_s = u.spec_from_file_location('_tpu_"
+                  "doctor_probe', os.environ['TPU_DOCTOR_FILE'])\n_m = sys.modules[_s.name] = u."
+                  "module_from_spec(_s)\n_s.loader.exec_module(_m); _m._probe()\n")  # the child's
 _READ_OPS = ("_local_scalar_dense", "item")  # .item(): a transfer, not a fallback
 _FILES = ("PT_XLA_DEBUG_FILE", "XLA_FNTRACKER_FILE")
 
@@ -263,25 +274,20 @@ def _analyse(recs, warmup, script, files, notes) -> tuple[list[Finding], dict]:
             if any(o["inputs"] == b["inputs"] and o["hash"] != b["hash"] for o in same) else
             "a host read cut the graph here" if "tensor value" in cause else
             "a different graph was traced (a Python branch, a new shape or a cut)")] += 1
-    out = [Finding("recompiles", "warning", script, line(w), f"{k} compile(s) after warm-up "
-                   f"{why}", "one shape per step: drop_last=True, pad to a fixed length or "
-                   "buckets; no host reads in the step", "Compilation Analysis (PT_XLA_DEBUG_"
-                   "LEVEL=2), torch_xla/csrc/debug_util.cpp") for (w, why), k in seen.items()]
+    out = [finding("recompiles", script, line(w), f"{k} compile(s) after warm-up {why}")
+           for (w, why), k in seen.items()]
     reads = [w for op, w in tracked if op in _READ_OPS]
     reads += [w for b in blocks[early:] if "tensor value" in " ".join(b["cause"]) and b["kind"]
               != "Compilation" and (w := _user(b["frames"])) not in reads]
     per = run["transfers_per_step"]
-    out += [Finding("host-transfers", "warning" if per >= 1 else "info", script, line(w),
-                    f"{per} device-to-host transfers per step ({reads.count(w)} from this line)",
-                    "read values in xm.add_step_closure every N steps", "TransferFromDeviceTime, "
-                    "torch_xla.debug.metrics") for w in {*reads} or ({None} if per else set())]
+    out += [finding("host-transfers", script, line(w), f"{per} device-to-host transfers per step"
+                    f" ({reads.count(w)} from this line)", sev=None if per >= 1 else "info")
+            for w in {*reads} or ({None} if per else set())]
     ops: dict = {}
     for op, w in tracked:
         ops.setdefault(w, set()).update({op} - set(_READ_OPS))
-    out += [Finding("cpu-fallback", "warning", script, line(w), "ran on the CPU (no XLA lowering)"
-                    f", every step: aten::{', aten::'.join(sorted(o))}", "an op with a lowering, "
-                    "or move it out of the step", "the fallback tracker (XLA_FNTRACKER_FILE), "
-                    "torch_xla/csrc/aten_fallback.cpp") for w, o in ops.items() if o]
+    out += [finding("cpu-fallback", script, line(w), "aten::" + ", aten::".join(sorted(o)))
+            for w, o in ops.items() if o]
     return out, run
 
 
@@ -331,9 +337,7 @@ def read_source(path: str) -> tuple[str, list[tuple[int, int, int]] | None, dict
     return "\n".join(lines), where, shell
 
 
-_OLD = (r"env-setup\.py|torch_xla-1\.|torch_xla[=<>~]=1\.|torch-1\.\d|torch[=<>~]=1\.|tpu-"
-        r"pytorch/wheels|cloud[-_]tpu[-_]client")  # installs of the torch_xla 1.x (XRT) era
-_SYSTEM = r"(?:get_ipython\(\)\.(?:system|getoutput)|os\.system)\(\s*[rf]?(['\"])(.*?)\1"
+_OLD, _SYSTEM = _CAT["patterns"]["old_install"], _CAT["patterns"]["system"]  # 1.x installs; !
 
 
 def shell_findings(text: str, shell: dict[int, str], file: str) -> list[Finding]:
@@ -344,8 +348,7 @@ def shell_findings(text: str, shell: dict[int, str], file: str) -> list[Finding]
     lines = {**shell, **{at(m): m[2] for m in re.finditer(_SYSTEM, text)}}
     lines |= {at(m): m[1] for m in re.finditer(r"^# ?(?:!|%pip) ?(.*)$", text, re.M)
               } if "\n# %%" in text else {}
-    out, rule = [], lambda k, n, w, note=None: Finding(  # noqa: E731
-        k, "info" if note else RULES[k][0], file, n, note or RULES[k][1].format(w), *RULES[k][2:])
+    out, rule = [], lambda k, n, w, note=None: finding(k, file, n, w, note)  # noqa: E731
     for n, cmd in sorted(lines.items()):
         cmd = re.sub(r"\$\{?(\w+)\}?|\{(\w+)\}", lambda m: strs.get(m[1] or m[2], m[0]), cmd)
         if old := re.findall(_OLD, cmd):
@@ -394,10 +397,8 @@ class Report:
                         f"warm-up, {r['transfers_per_step']} device-to-host transfers/step, "
                         f"fallback ops {r['fallback_ops'] or 'none'}")
         e, w = (sum(f.severity == s for f in self.findings) for s in ("error", "warning"))
-        return "\n".join(rows + self.notes + [
-            f"verdict: NOT READY: {e} error(s), {w} warning(s): fix the errors before TPU time"
-            if e else f"verdict: runs, but {w} warning(s) will cost TPU time" if w else
-            "verdict: clean: nothing found that wastes TPU time"])
+        return "\n".join(rows + self.notes + ["verdict: " + _CAT["verdict"][
+            "error" if e else "warning" if w else "clean"].format(e=e, w=w)])
 
 
 # --------------------------------------------------------------------------- entry points' bodies

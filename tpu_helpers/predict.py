@@ -1,9 +1,10 @@
 """Predictions from every replica, exactly once, in dataset order: the loop and the backends.
 
-Taught in notebooks 04 and 13; needs ``ordering.py``. Batches are ``(x, ..., index, mask)``
-(``data.make_eval_loader``, labelled or not: the model gets ``x``, a tensor or a dict of them) or
-length-bucket dicts (``buckets.collate``: the model gets ``(tokens, mask)``). Backends only move
-rows. Importing this module does not touch the XLA device.
+Taught in notebooks 04 and 13; needs ``ordering.py`` (with ``hang_watchdog.py`` beside it, each
+batch ticks the watchdog). Batches are ``(x, ..., index, mask)`` (``data.make_eval_loader``,
+labelled or not: the model gets ``x``, a tensor or a dict of them) or length-bucket dicts
+(``buckets.collate``: the model gets ``(tokens, mask)``). Backends only move rows. Importing this
+module does not touch the XLA device.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ try:  # inside the tpu_helpers package
     from .ordering import Ordered, OrderedBuffer, PredictionError, exactly_once
 except ImportError:  # copied next to ordering.py into your project
     from ordering import Ordered, OrderedBuffer, PredictionError, exactly_once
+try:  # progress ticks for the hang watchdog, if hang_watchdog.py is here too (no-ops without one)
+    from .hang_watchdog import tick
+except ImportError:
+    try:
+        from hang_watchdog import tick
+    except ImportError:
+        tick = lambda step=None, phase="step": None  # noqa: E731
 
 DEFAULT_CHUNK_BYTES = 64 << 20  #: bound on the gathered rows per chunk (device and host)
 
@@ -277,6 +285,7 @@ def _run(model, backend, batches: _CheckedBatches, sink, opts, keep: bool) -> No
     pending, spec, chunk_steps, steps = [], None, 1, 0
     collective = opts.gather or backend.world_size == 1
     for step, batch in enumerate(backend.device_batches(batches, batches.x_dim)):
+        tick(step, "predict")  # this batch is here: a replica stuck before it is named
         # Fetching this batch ran the previous step: a flush only copies.
         if len(pending) >= chunk_steps:
             _collect(sink, backend.to_host(pending))

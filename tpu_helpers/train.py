@@ -36,16 +36,15 @@ from torch.utils.data import Dataset
 try:  # inside the tpu_helpers package
     from . import checkpoint
     from .data import AnyData, fit_datasets, fit_layout, make_loaders, set_epoch
-    from .launch import launch
+    from .launch import hang_watchdog, launch
 except ImportError:  # copied next to checkpoint.py, data.py and launch.py
     import checkpoint  # type: ignore[no-redef]
-    from launch import launch  # type: ignore[no-redef]
+    from launch import hang_watchdog, launch  # type: ignore[no-redef]
 
     from data import AnyData, fit_datasets, fit_layout, make_loaders, set_epoch
 
 
-def _opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002
-    return field(default=default, metadata={"help": help, **kw})
+_opt = lambda default, help, **kw: field(default=default, metadata={"help": help, **kw})  # noqa: A002
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,7 @@ class Config:
     compile_cache: str = _opt("", "XLA compile cache folder; 2.8/2.9 write it, never load it "
                               "back (pytorch/xla issue 9094): no compile saved (default: off)")
     start_method: str = _opt("fork", "how launch starts replicas", choices=("fork", "spawn"))
+    watchdog: float = _opt(120.0, "seconds before a stalled replica stops the run (0: off)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -93,10 +93,9 @@ class Config:
 
 def Net(num_classes: int = 10, width: int = 16) -> nn.Module:  # noqa: N802 (a model class)
     """The script's model: two 3x3 convolutions, a max-pool, dropout, two linear layers."""
-    return nn.Sequential(
-        nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, 2 * width, 3, padding=1),
-        nn.ReLU(), nn.AdaptiveMaxPool2d(4), nn.Flatten(), nn.Dropout(0.25),
-        nn.Linear(2 * width * 16, 64), nn.ReLU(), nn.Linear(64, num_classes))
+    return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.Conv2d(
+        width, 2 * width, 3, padding=1), nn.ReLU(), nn.AdaptiveMaxPool2d(4), nn.Flatten(),
+        nn.Dropout(0.25), nn.Linear(2 * width * 16, 64), nn.ReLU(), nn.Linear(64, num_classes))
 
 
 class TrainingDiverged(FloatingPointError):
@@ -222,8 +221,8 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
     run = start(config, settings, model, optimizer, scheduler)  # settings: what a step means
     while run.epoch < config.epochs and run.step < run.last:
         set_epoch(train_loader, run.epoch)
-        loader = pl.MpDeviceLoader(itertools.islice(train_loader, run.batch, None), device,
-                                   input_sharding=sharding)
+        loader = (b for b in pl.MpDeviceLoader(itertools.islice(train_loader, run.batch, None),
+                  device, input_sharding=sharding) if not _tick(run.step, "step"))  # fetched
         started, compiles = time.perf_counter(), _compiles()
         totals = train_epoch(model, optimizer, ((b, None) for b in loader) if dicts else loader,
                              run.step, functools.partial(run.after_step, model, optimizer),
@@ -241,6 +240,7 @@ def fit(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module] 
 
 _compiles = lambda: int((met.metric_data("CompileTime") or (0,))[0])  # XLA compiles so far
 _lr = lambda optimizer: float(optimizer.param_groups[0]["lr"])  # a host value: no sync
+_tick = getattr(hang_watchdog, "tick", lambda step, phase: None)  # a no-op without a watchdog
 
 
 class ResumeMismatch(checkpoint.CheckpointError):
@@ -283,6 +283,7 @@ class Run:
         every = c.checkpoint_every and self.step % c.checkpoint_every == 0
         if (every or self.step == self.last) and self.batch < self.settings["steps_per_epoch"]:
             self.save(model, optimizer, totals)  # mid-epoch (epoch ends save in end_epoch)
+        _tick(step, "eval" if self.batch == self.settings["steps_per_epoch"] else "data")  # then
         return self.step == self.last
 
     def _log(self, step: int, totals: torch.Tensor, lr: float) -> None:
@@ -297,6 +298,7 @@ class Run:
         """Checkpoint on every replica (capture syncs first: logging closures have run)."""
         if self.ckpts is None:
             return
+        _tick(self.step, "checkpoint")
         extra = {"history": self.history, "settings": self.settings, "totals": totals,
                  **({} if self.scheduler is None else {"scheduler": self.scheduler.state_dict()})}
         state = checkpoint.capture_training_state(model, optimizer, epoch=self.epoch, extra=extra,
@@ -366,8 +368,7 @@ def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict
                 model: nn.Module, optimizer: Any, scheduler: Any = None) -> Run:
     """Restore ``ckpt``; other settings raise :class:`ResumeMismatch` (unless
     ``config.resume_new_settings``: its weights and optimizer, its next epoch)."""
-    extra = ckpt.get("extra", {})
-    saved = extra.get("settings")
+    saved = (extra := ckpt.get("extra", {})).get("settings")
     changes = ([f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now"
                 for k, v in settings.items() if saved.get(k) != v]
                if isinstance(saved, dict) else ["no run settings stored"])
@@ -394,9 +395,8 @@ def resume_from(ckpt: dict[str, Any], path: Path, config: Config, settings: dict
     return run
 
 
-def save_history(path: str | Path, history: dict[str, Any]) -> Path:
-    """Write ``history`` as JSON with ``checkpoint.atomic_write``."""
-    return checkpoint.atomic_write(path, lambda f: f.write(json.dumps(history, indent=1).encode()))
+save_history = lambda path, history: checkpoint.atomic_write(  # history.json, atomically
+    path, lambda f: f.write(json.dumps(history, indent=1).encode()))
 
 
 def _replica(rank, config, data, model_fn, hooks):
@@ -413,7 +413,8 @@ def train(config: Config, data: AnyData = None, model_fn: Callable[[], nn.Module
         if not xr.is_spmd():
             xr.use_spmd()
         return fit(config, data, model_fn, **hooks)
-    launch(_replica, args=(config, data, model_fn, hooks), start_method=config.start_method)
+    launch(_replica, args=(config, data, model_fn, hooks), start_method=config.start_method,
+           watchdog=bool(config.watchdog and hang_watchdog) and {"min_timeout": config.watchdog})
     if not (out / "history.json").is_file():
         raise FileNotFoundError(f"{out / 'history.json'} not written on this host: storage="
                                 "'shared' needs a folder every host sees, else use 'local'.")
