@@ -2,13 +2,14 @@
 
     python -m benchmarks.run_all                  # full run (under 10 minutes on 2 idle cores)
     python -m benchmarks.run_all --quick          # CI-sized (also with CI=true or SMOKE=1)
-    python -m benchmarks.run_all --only training  # a subset: training, loader, predict, text, hf
+    python -m benchmarks.run_all --only training  # a subset: training,loader,...,loading
     python -m benchmarks.run_all --json out.json  # also save every row
 
 Runs ``benchmarks.bench_training.run`` (each training loop in its own process), then
 ``benchmarks.bench_loader.run``, ``benchmarks.bench_predict.run`` and
-``benchmarks.bench_text.run`` (in this process, on one XLA device) and
-``benchmarks.bench_hf.run`` (each row in its own process), and prints the machine
+``benchmarks.bench_text.run`` (in this process, on one XLA device),
+``benchmarks.bench_hf.run`` (each row in its own process) and ``benchmarks.bench_loading.run``
+(peak host memory per way of loading a checkpoint, each in its own process), and prints the machine
 it ran on, one table, and each goal with whether this run met it. Every ratio compares
 numbers measured in the same run on the same machine.
 """
@@ -24,7 +25,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import bench_hf, bench_loader, bench_predict, bench_text, bench_training
+from benchmarks import (
+    bench_hf,
+    bench_loader,
+    bench_loading,
+    bench_predict,
+    bench_text,
+    bench_training,
+)
 from benchmarks._common import quick_mode
 
 BENCHMARKS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {
@@ -33,6 +41,7 @@ BENCHMARKS: dict[str, Callable[[bool], list[dict[str, Any]]]] = {
     "predict": bench_predict.run,
     "text": bench_text.run,
     "hf": bench_hf.run,
+    "loading": bench_loading.run,
 }
 
 COLUMNS = ["benchmark", "row", "steps/s", "min-max", "ratio", "vs ceiling", "compiles",
@@ -101,6 +110,14 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
             out.append(text_row(r))
         elif kind == "hf":
             out.append(hf_row(r))
+        elif kind == "loading":
+            out.append({"benchmark": "loading", "row": r["name"], "steps/s": "", "min-max": "",
+                        "ratio": "", "vs ceiling": "", "compiles": "", "transfers/step": "",
+                        "exec/step": "", "CPU ms/step": "",
+                        "peak RSS MB": f"+{r['peak_added_mib']}",
+                        "note": f"model {r['model_mib']} MiB, host beyond the device "
+                                f"{r['host_beyond_device_mib']} MiB, largest tensor "
+                                f"{r['largest_tensor_mib']} MiB"})
     return out
 
 
@@ -168,7 +185,7 @@ def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
     for r in rows:
         if r.get("benchmark") == "predict" and "ok" in r:
             result.append((f"predict: {r['case']}", bool(r["ok"])))
-    return result + text_goals(rows) + hf_goals(rows)
+    return result + text_goals(rows) + hf_goals(rows) + bench_loading.goals(rows)
 
 
 def host_goals(train: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:

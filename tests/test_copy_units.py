@@ -130,8 +130,8 @@ WARM = [s.stem for s in SCRIPTS if imports_torch_xla_first(
 
 
 def test_warm_units_are_those_whose_script_imports_torch_xla_first():
-    assert WARM == ["checkpoint", "device_loader", "hang_watchdog", "launch", "predict", "spmd",
-                    "train"]
+    assert WARM == ["checkpoint", "device_loader", "hang_watchdog", "launch", "predict",
+                    "pretrained", "spmd", "train"]
 
 
 @pytest.fixture(scope="module")

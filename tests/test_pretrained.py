@@ -1,0 +1,106 @@
+"""tpu_helpers.pretrained: a Hub-shaped checkpoint (a transformers LlamaConfig model saved by
+``save_pretrained``: sharded safetensors with an index; nothing downloaded) streamed onto the XLA
+device one tensor at a time, against ``from_pretrained`` on the CPU; the errors a user meets;
+and the loading benchmark's peak host memory (benchmarks/bench_loading.py), measured."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from tpu_helpers.pretrained import (  # noqa: E402
+    CheckpointMismatch,
+    checkpoint_files,
+    parameter_bytes,
+    stream_to_device,
+)
+
+
+def saved(folder, tied=False, shard="100KB"):
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, max_shard_size=shard)
+    return config
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_streamed_weights_give_the_cpu_models_logits(tmp_path, tied):
+    config = saved(tmp_path, tied)
+    files = checkpoint_files(tmp_path)
+    assert len(files) > 1 and all(name.endswith(".safetensors") for name in files)
+    reference = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    device = torch_xla.device()
+    with torch.device(device):
+        model = LlamaForCausalLM(config).eval()
+    done = stream_to_device(model, tmp_path)
+    print(done)
+    assert done.tensors == sum(map(len, files.values())) and done.files == list(files)
+    unique = {t.data_ptr(): t for t in reference.state_dict().values()}  # tied: once
+    assert done.bytes == sum(t.nbytes for t in unique.values())
+    if tied:  # lm_head is the embedding: one tensor, still shared
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(p.device.type == "xla" for p in model.parameters())
+    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        gap = (reference(tokens).logits - model(tokens.to(device)).logits.cpu()).abs().max()
+    print(f"max |logits - cpu| = {gap:.2e}; device bytes {parameter_bytes(model)}")
+    assert gap < 1e-4
+
+
+def test_a_cast_on_the_host(tmp_path):
+    config = saved(tmp_path)
+    with torch.device(torch_xla.device()):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    stream_to_device(model, tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_mismatches_are_named_before_anything_is_copied(tmp_path):
+    config = saved(tmp_path, shard="10MB")
+    small = LlamaConfig(**{**config.to_dict(), "intermediate_size": 96})
+    with torch.device(torch_xla.device()):
+        other = LlamaForCausalLM(small)
+    before = other.model.layers[0].mlp.up_proj.weight
+    with pytest.raises(CheckpointMismatch, match=r"model.safetensors: 'model.layers.0.mlp.down_"
+                                                 r"proj.weight' has shape \[64, 128\], the model's"
+                                                 r" \[64, 96\]"):
+        stream_to_device(other, tmp_path)
+    assert other.model.layers[0].mlp.up_proj.weight is before  # nothing swapped
+    with torch.device(torch_xla.device()):
+        model = LlamaForCausalLM(config)
+    model.register_buffer("extra", torch.zeros(2, device=torch_xla.device()))
+    with pytest.raises(CheckpointMismatch, match=r"no tensor for \['extra'\]"):
+        stream_to_device(model, tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"[]" + b"\0" * 8)
+    with pytest.raises(CheckpointMismatch, match="not a safetensors file"):
+        stream_to_device(model, tmp_path)
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor"):
+        checkpoint_files(tmp_path / "nowhere")
+    assert json.loads((tmp_path / "config.json").read_text())["intermediate_size"] == 128
+
+
+def test_the_loading_benchmark_streams_within_the_largest_tensor(capsys):
+    """Issue 39's loading goal, measured (quick size, each method in a fresh Python)."""
+    from benchmarks import bench_loading, run_all
+
+    rows = bench_loading.run(quick=True)
+    with capsys.disabled():
+        print("\n" + bench_loading.format_rows(rows))
+    by = {r["key"]: r for r in rows}
+    assert by["a"]["model_mib"] == by["b"]["model_mib"] > 30
+    met = dict(run_all.goals(rows))
+    [(text, ok)] = [(t, m) for t, m in met.items() if t.startswith("loading (b)")]
+    print(text)
+    assert ok
+    table = run_all.table_rows(rows)
+    assert [t["benchmark"] for t in table] == ["loading", "loading"]

@@ -1,0 +1,156 @@
+"""Pretrained weights onto the XLA device one tensor at a time: the host never holds the model.
+
+``from_pretrained(...)`` builds the whole model in host memory and ``.to(device)`` copies it:
+two copies at the peak, per replica, which is where a Kaggle session dies first (pytorch/xla
+issue 6822). Instead, build the model on the device (``with torch.device(torch_xla.device()):``;
+the random initial values are lazy and never computed, as every weight is overwritten before the
+first sync) and stream each tensor of the safetensors files into it: the host holds one tensor
+at a time, the file's own pages, handed back to the OS once sent (:func:`stream_to_device`).
+Non-persistent buffers (rotary frequencies) come from the model's own ``__init__``, on the device.
+
+Copy this file alone: torch, torch_xla and the standard library. The safetensors format is read here
+directly (8 bytes of header length, a JSON header of names, dtypes, shapes and byte offsets, then
+raw bytes), so loading a file never runs code from it. Importing this module does not touch the
+XLA device.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch_xla.core.xla_model as xm
+
+INDEX = "model.safetensors.index.json"  #: a sharded checkpoint's map: tensor name -> file
+SINGLE = "model.safetensors"  #: an unsharded checkpoint
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+          "U8": torch.uint8, "BOOL": torch.bool}  #: safetensors' dtype names
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint and the model disagree (a name, a shape): says which, in which file."""
+
+
+@dataclass
+class Streamed:
+    """What :func:`stream_to_device` copied: tensors, bytes, the largest tensor, the files."""
+
+    tensors: int = 0
+    bytes: int = 0
+    largest_bytes: int = 0
+    files: list[str] = field(default_factory=list)
+
+
+def checkpoint_files(folder: str | Path) -> dict[str, list[str]]:
+    """File name -> the tensor names it holds, in file order (``save_pretrained``'s layout:
+    ``model.safetensors``, or shards listed by ``model.safetensors.index.json``)."""
+    folder = Path(folder)
+    if (folder / INDEX).is_file():
+        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        return dict(sorted(files.items()))
+    if (folder / SINGLE).is_file():
+        return {SINGLE: list(read_header(folder / SINGLE)[0])}
+    raise FileNotFoundError(f"{folder}: neither {INDEX} nor {SINGLE} (a save_pretrained folder)")
+
+
+def read_header(path: str | Path) -> tuple[dict[str, dict], int]:
+    """A safetensors file's tensors (name -> dtype, shape, data_offsets) and where data starts."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size)) if 0 < size < 1 << 30 else None
+    if not isinstance(header, dict):
+        raise CheckpointMismatch(f"{path}: not a safetensors file (header length {size})")
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def tensors_of(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a safetensors file as a view of the file's pages (no copy); the pages a
+    tensor used are handed back to the OS when the next one is read."""
+    header, start = read_header(path)
+    with open(path, "rb") as fh:
+        pages = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
+    done = 0
+    for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = (start + o for o in meta["data_offsets"])
+        dtype = DTYPES[meta["dtype"]]
+        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+        view = torch.frombuffer(pages, dtype=dtype, count=count, offset=begin) if count else \
+            torch.empty(0, dtype=dtype)
+        yield name, view.reshape(meta["shape"])
+        del view
+        cut = begin // mmap.PAGESIZE * mmap.PAGESIZE
+        if cut > done:
+            pages.madvise(mmap.MADV_DONTNEED, done, cut - done)  # read and sent: drop them
+            done = cut
+
+
+def stream_to_device(model: torch.nn.Module, folder: str | Path, *,
+                     dtype: torch.dtype | None = None) -> Streamed:
+    """Copy every tensor of the checkpoint in ``folder`` into ``model``'s parameters and
+    persistent buffers, where they already are (the XLA device), one tensor at a time.
+
+    Every name in the files must be one of the model's and every one of the model's persistent
+    tensors must be in the files (tied weights count once), with the same shape: otherwise
+    :class:`CheckpointMismatch`, before anything is copied. ``dtype`` casts on the host first
+    (e.g. ``torch.bfloat16``); by default each weight keeps the model's dtype.
+    """
+    folder, files = Path(folder), checkpoint_files(folder)
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets |= {n: b for n, b in model.named_buffers() if _persistent(model, n)}
+    shapes = {}
+    for file, names in files.items():
+        header = read_header(folder / file)[0]
+        for name in names:
+            if name not in targets or name not in header:
+                raise CheckpointMismatch(f"{folder / file}: {name!r} is not in the "
+                                         f"{'file' if name in targets else 'model'}")
+            shapes[name] = tuple(header[name]["shape"])
+            if shapes[name] != tuple(targets[name].shape):
+                raise CheckpointMismatch(
+                    f"{folder / file}: {name!r} has shape {list(shapes[name])}, the model's "
+                    f"{list(targets[name].shape)}")
+    missing = [n for n in targets if n not in shapes and not _tied_to_loaded(model, n, shapes)]
+    if missing:
+        raise CheckpointMismatch(f"{folder}: no tensor for {missing[:5]}"
+                                 f"{' ...' if len(missing) > 5 else ''} ({len(missing)} missing)")
+    done = Streamed(files=list(files))
+    with torch.no_grad():
+        for file in files:
+            for name, host in tensors_of(folder / file):  # this one tensor, the file's pages
+                target = targets[name]  # its data swapped, the object kept (ties hold):
+                target.data = host.to(dtype or target.dtype).to(target.device)  # no copy op
+                if target.device.type == "xla":  # the transfer is asynchronous: let it finish,
+                    xm.wait_device_ops()  # so the host never queues more than this tensor
+                done.tensors, done.bytes = done.tensors + 1, done.bytes + host.nbytes
+                done.largest_bytes = max(done.largest_bytes, host.nbytes)
+                del host
+    return done
+
+
+def _persistent(model: torch.nn.Module, name: str) -> bool:
+    module_name, _, buffer = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return buffer not in module._non_persistent_buffers_set  # torch's own record of them
+
+
+def _tied_to_loaded(model: torch.nn.Module, name: str, loaded: dict) -> bool:
+    """A tied weight (``lm_head.weight`` sharing the embedding): loaded under another name."""
+    tensor = dict(model.named_parameters(remove_duplicate=False)).get(name)
+    return tensor is not None and any(
+        other is tensor for n, other in model.named_parameters(remove_duplicate=False)
+        if n in loaded)
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each tensor once): what a device holds."""
+    seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.nelement() * t.element_size() for t in seen.values())
