@@ -104,3 +104,42 @@ def test_the_loading_benchmark_streams_within_the_largest_tensor(capsys):
     assert ok
     table = run_all.table_rows(rows)
     assert [t["benchmark"] for t in table] == ["loading", "loading"]
+
+
+@pytest.mark.parametrize("dtype,frozen", [(torch.float32, False), (torch.bfloat16, False),
+                                          (torch.float32, True)])
+def test_training_bytes_are_the_bytes_on_the_device_after_a_step(tmp_path, dtype, frozen):
+    """The formula against the tensors a real AdamW step leaves on the XLA device: every
+    weight, each trainable weight's gradient and its two AdamW states (LoRA's shape: a frozen
+    base, a few trainable tensors)."""
+    from tpu_helpers.pretrained import training_bytes
+
+    config = saved(tmp_path)
+    device = torch_xla.device()
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    stream_to_device(model, tmp_path, dtype=dtype)
+    if frozen:  # the base frozen; the attention projections of layer 0 train
+        for name, p in model.named_parameters():
+            p.requires_grad = name.startswith("model.layers.0.self_attn.")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    tokens = torch.randint(0, 1000, (2, 16)).to(device)
+    model(tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    torch_xla.sync()
+    params = list(model.parameters())  # tied weights once
+    trainable = [p for p in params if p.requires_grad]
+    on_device = {
+        "weights": sum(p.nbytes for p in params),
+        "gradients": sum(p.grad.nbytes for p in trainable),
+        "optimizer": sum(t.nbytes for state in optimizer.state.values()
+                         for k, t in state.items() if k != "step"),  # step: a CPU scalar
+    }
+    formula = training_bytes(sum(p.numel() for p in params), sum(p.numel() for p in trainable),
+                             bytes_per_weight=torch.finfo(dtype).bits // 8)
+    print(dtype, "frozen base" if frozen else "full", on_device, formula)
+    assert on_device == {"weights": formula.weights, "gradients": formula.gradients,
+                         "optimizer": formula.optimizer}
+    assert all(t.device.type == "xla" for state in optimizer.state.values()
+               for k, t in state.items() if k != "step")
+    assert training_bytes(10, 2, shards=4) == type(formula)(10, 2, 4)  # 40/4, 8/4, 16/4 bytes

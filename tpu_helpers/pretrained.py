@@ -154,3 +154,31 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters and buffers (each tensor once): what a device holds."""
     seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.nelement() * t.element_size() for t in seen.values())
+
+
+@dataclass(frozen=True)
+class TrainingBytes:
+    """Device bytes of a fine-tuning run per chip, activations apart (:func:`training_bytes`)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def training_bytes(params: int, trainable: int | None = None, *, bytes_per_weight: int = 4,
+                   optimizer_states: int = 2, shards: int = 1) -> TrainingBytes:
+    """What the weights, their gradients and the optimizer state take on the device.
+
+    ``params`` weights of ``bytes_per_weight`` (4: float32, 2: bfloat16); ``trainable`` of them
+    get a gradient and ``optimizer_states`` states (AdamW: 2, ``exp_avg`` and ``exp_avg_sq``, in
+    the weight's dtype as ``torch.optim.AdamW`` keeps them; SGD with momentum: 1; LoRA: the
+    adapter's parameters only). ``shards``: FSDPv2 over that many chips divides all three.
+    Activations are not included: they depend on the batch and the sequence length.
+    """
+    trainable = params if trainable is None else trainable
+    split = lambda n: -(-n * bytes_per_weight // shards)  # noqa: E731  (rounded up)
+    return TrainingBytes(split(params), split(trainable), split(trainable * optimizer_states))
