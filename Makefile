@@ -165,7 +165,8 @@ LANES_DIR := $(CURDIR)/outputs/lanes
 JAX_WITHOUT := 06_lightning_on_tpu
 JAX_NOTEBOOKS := $(addprefix notebooks/,02_parallel_loader.ipynb 03_multicore_training.ipynb \
   04_prediction_gathering.ipynb 07_model_sharding_spmd.ipynb 10_bigger_than_one_chip.ipynb \
-  11_hugging_face_on_tpu.ipynb 12_accelerate_and_fsdp_v2.ipynb 13_your_data_to_a_submission.ipynb)
+  11_hugging_face_on_tpu.ipynb 12_accelerate_and_fsdp_v2.ipynb 13_your_data_to_a_submission.ipynb \
+  14_fine_tune_a_hub_model.ipynb)
 JAX_TESTS := tests/test_jax_paths.py tests/test_jax_lane.py tests/test_text_model.py
 PLATFORM_TESTS := $(JAX_TESTS)
 

@@ -60,6 +60,7 @@ NOTEBOOK_PACKAGES = {
     # transformers 5 needs Python >= 3.11: Colab has 3.13, Kaggle 3.12.
     "transformers": "transformers>=5.24.0",
     "accelerate": "accelerate>=1.15.0",
+    "peft": "peft>=0.21.2",  # notebook 14 (LoRA); Colab's TPU image has none (same freeze)
 }
 #: Libraries whose version must match torch, if the platform ships them: per supported line
 #: (``tpu_helpers.env.SUPPORTED``), the release built for that torch.

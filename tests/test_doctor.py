@@ -403,10 +403,10 @@ def cli_item():
 
 @pytest.fixture(scope="module")
 def flat_crash(tmp_path_factory):
-    """The doctor pair copied flat into a folder with an old script, run there with --run 8
+    """The doctor's files copied flat into a folder with an old script, run there with --run 8
     (the corpus counts its dynamic findings too)."""
     tmp_path = tmp_path_factory.mktemp("flat")
-    for name in ("doctor.py", "doctor_run.py", "doctor_rules.toml"):
+    for name in ("doctor.py", "doctor_run.py", "doctor_static.py", "doctor_rules.toml"):
         shutil.copy(REPO / "tpu_helpers" / name, tmp_path / name)
     shutil.copy(CORPUS / "dyn_crash.py", tmp_path / "old_script.py")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}

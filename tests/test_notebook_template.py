@@ -22,7 +22,8 @@ COURSE = ["00_environment", "01_dataset_setup", "02_parallel_loader", "03_multic
           "04_prediction_gathering", "05_performance_debugging", "06_lightning_on_tpu",
           "07_model_sharding_spmd", "08_myths_and_facts",
           "09_transformers_variable_length", "10_bigger_than_one_chip",
-          "11_hugging_face_on_tpu", "12_accelerate_and_fsdp_v2", "13_your_data_to_a_submission"]
+          "11_hugging_face_on_tpu", "12_accelerate_and_fsdp_v2", "13_your_data_to_a_submission",
+          "14_fine_tune_a_hub_model"]
 
 pytestmark = pytest.mark.one_line  # the notebooks' format, budget and stderr checks
 

@@ -8,8 +8,8 @@ Importing it (or any module in it) never touches the XLA device. Modules (notebo
 - ``ordering``: exactly-once ordering, rank files; ``predict``: predictions from every replica (04)
 - ``tpu_lightning``: Lightning 2.6 Trainer arguments, atomic checkpoint IO (06)
 - ``buckets``: text of any length in length buckets (09)
-- ``doctor`` (with ``doctor_run``): a tool beside the library that reads a script and says what
-  will go wrong on a TPU; ``python -m tpu_helpers.doctor`` / ``tpu-doctor`` (05)
+- ``doctor`` (with ``doctor_run``, ``doctor_static``): a tool beside the library that reads a
+  script and says what will go wrong on a TPU; ``python -m tpu_helpers.doctor``, ``tpu-doctor`` (05)
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """Check a training script before a TPU hour is spent: ``python -m tpu_helpers.doctor SCRIPT``.
-Copy it with ``doctor_run.py`` and ``doctor_rules.toml`` (standard library only). The static pass
-reads the source with :mod:`ast` (never imports it) along the path a script takes on XLA."""
+Copy it with ``doctor_run.py``, ``doctor_static.py`` and ``doctor_rules.toml`` (standard library
+only). The static pass reads a script with :mod:`ast` (never imports it) along its path on XLA."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import sys
 
 try:  # inside the tpu_helpers package
     from . import doctor_run as dr
-except ImportError:  # copied next to doctor_run.py into your project (or run as doctor.py)
+    from . import doctor_static as ds
+except ImportError:  # copied next to doctor_run.py and doctor_static.py (or run as doctor.py)
     import doctor_run as dr  # type: ignore[no-redef]
+    import doctor_static as ds  # type: ignore[no-redef]
 API, ENV, KINDS, RULES, STALE, XM = dr.API, dr.ENV, dr.KINDS, dr.RULES, dr.STALE, dr.XM
 Finding, Report, Unreadable, dynamic_findings = (dr.Finding, dr.Report, dr.Unreadable,
                                                   dr.dynamic_findings)
@@ -48,7 +50,7 @@ def _targets(t) -> list[str]:
         t, "value", None)] if isinstance(t, ast.Starred) else []) for x in _targets(e)]
 
 
-class _Static(dr.StaticRules):
+class _Static(ds.StaticRules):
     def __init__(self, source: str, file: str):
         self.tree, self.file, self.source = ast.parse(source), file, source
         self.aliases, self.found, self.memo = dict(ALIASES), {}, {}
@@ -213,7 +215,8 @@ class _Static(dr.StaticRules):
         launch = [c for c in self.calls if self.qual(c.func) in LAUNCHERS]
         self.launches = any(not self.dead(c) for c in launch)
         self.spmd = any(self.qual(c.func) == "torch_xla.runtime.use_spmd" for c in self.calls)
-        self.launched = {a.id for c in launch for a in c.args[:1] if isinstance(a, ast.Name)}
+        self.launched = {"_mp_fn"} | {a.id for c in self.calls for a in c.args[:1] if isinstance(
+            a, ast.Name) and (c in launch or _attr(c.func) == "notebook_launcher")}  # xla_spawn.py
         self.launched |= {_attr(c.func) for f in [*self.launched] for g in self.funcs.get(f, [])
                           for c in self.by_owner.get(g, [])}  # ... and what they call
         for node in self.of.get(ast.Attribute, []):
@@ -258,7 +261,7 @@ class _Static(dr.StaticRules):
         if attr == "init_process_group" and (backend == "nccl" or backend == "gloo" and re.search(
                 r"torch_xla|jax|TPU|tpu", self.source) and not self.spmd):
             self.add(node, "wrong-backend", repr(backend))
-        self.call_rules(node, name, kw)  # doctor_rules.toml's [[calls]] (doctor_run.py)
+        self.call_rules(node, name, kw)  # doctor_rules.toml's [[calls]] (doctor_static.py)
         for k, i in (("num_replicas", 1), ("rank", 2)) if attr.startswith(
                 "DistributedSampler") and self.launches else ():
             e = kw.get(k, node.args[i] if len(node.args) > i else None)
@@ -320,10 +323,9 @@ class _Static(dr.StaticRules):
         f, recv = _attr(getattr(e, "func", None)), getattr(getattr(e, "func", None), "value", None)
         if isinstance(e, ast.Call) and (f in _HOST or f == "to" and "'cpu'" in ast.unparse(e)):
             return False  # len(x), x.item() (the read itself), x.to("cpu")...
-        if isinstance(e, ast.Call) and (re.search(r"(?i)loss|criterion|forward|model$|net$|step",
-                                                  f) or f in self.step_fns or "device" in _kw(e) or
-                                        f == "to" and not re.search(r"(?i)model|net|module|^[A-Z]",
-                                                                    ast.unparse(recv))):
+        if isinstance(e, ast.Call) and (f in self.step_fns or "device" in _kw(e) or re.search(
+                r"(?i)loss|criterion|forward|model$|net$|step", f) or f == "to" and not re.search(
+                r"(?i)model|net|module|^[A-Z]", ast.unparse(recv))):
             return True  # a model's or a loss's output, x.to(device), torch.zeros(..., device=d)
         return e.id in names if isinstance(e, ast.Name) else not (isinstance(
             e, ast.Attribute) and e.attr in _META) and any(self.devexpr(x, names) for x in (

@@ -1,11 +1,11 @@
 """The doctor's run and frame: the ``--run N`` pass (torch_xla's metrics, PT_XLA_DEBUG_LEVEL=2 and
-fallback tracker over N steps on XLA:CPU), the catalogue, rules of the static pass, the reader, the
-report, the command line. Nothing from ``doctor.py``: the child loads this file (``_probe``)."""
+fallback tracker over N steps on XLA:CPU), the catalogue, the reader, the report, the command line.
+Nothing from ``doctor.py`` or ``doctor_static.py`` (the static pass's rules): the child loads this
+file alone (``_probe``)."""
 
 from __future__ import annotations
 
 import argparse
-import ast
 import atexit
 import io
 import json
@@ -19,7 +19,6 @@ import time
 import tokenize
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from importlib import metadata
 from pathlib import Path
 
 import tomllib
@@ -57,69 +56,6 @@ KINDS = tuple(RULES)
 def finding(kind: str, file: str, line: int, what: str, note=None, sev=None) -> Finding:
     return Finding(kind, note and "info" or sev or RULES[kind][0], file, line, note or RULES[
         kind][1].format(what), *RULES[kind][2:])  # note: an info with that text; sev: another
-
-
-# --------------------------------------------------------------------------- static pass's rules
-_RANK, _WORLD, _COLL = map(re.compile, map(_CAT["patterns"].get, ("rank", "world", "coll")))
-
-
-class StaticRules:
-    """doctor.py's ``_Static`` inherits these: call rules, a sync in the step, replica hangs."""
-
-    def call_rules(self, node: ast.Call, name: str, kw: dict) -> None:  # the toml's [[calls]]
-        named, val = len(kw) == len(node.keywords), lambda e: self.reaching(e.id, e) or e if (
-            isinstance(e, ast.Name)) else e  # a name: the value given it before (a dict...)
-        for d in (val(k.value) for k in node.keywords if k.arg is None):  # **{...}: its keys too
-            kw = {**{getattr(k, "value", 0): v for k, v in zip(getattr(d, "keys", ()), getattr(
-                d, "values", ()), strict=True)}, **kw}
-        for r in (r for r in CALLS if any(name == c or name.endswith("." + c) for c in r["call"])):
-            e = val(kw.get(r.get("keyword", "")))
-            i = next((kw[k] for k in r.get("index", ()) if k in kw), (node.args or [None])[0])
-            if all(("given" not in r or (g := next((k for k in r["given"] if k in kw), None)),
-                    "without" not in r or r["without"] not in kw and named,
-                    "value" not in r or e is not None and self.value(e) == (True, r["value"]),
-                    "contains" not in r or e is not None and r["contains"] in ast.unparse(e),
-                    "index" not in r or i is not None and getattr(i, "value", 1) not in (0, None),
-                    "file" not in r or re.search(r["file"], self.source),
-                    "needs" not in r or not any(int(v.version.split(".")[0]) < r["needs"][1] for
-                                                v in metadata.distributions(name=r["needs"][0])))):
-                self.add(node, r["kind"], g if "given" in r else "index" in r and ast.unparse(
-                    node).replace(XM, "xm") or "")
-
-    def sync_in_step(self, scope) -> None:  # backward(); a sync; the optimizer step: two graphs
-        calls = [c.value for c in self.own(scope) if isinstance(getattr(c, "value", 0), ast.Call)
-                 and isinstance(c, ast.Expr)]
-        body = lambda c: self.parents[self.parents[c]]  # noqa: E731  (the statement's block)
-        for s in (s for s in calls if self.qual(s.func) in (f"{XM}.mark_step", "torch_xla.sync")):
-            near = [(c.lineno > s.lineno, c) for c in calls if body(c) is body(s)]
-            if (False, "backward") in [(a, getattr(c.func, "attr", "")) for a, c in near] and any(
-                    a and self.is_step(c) for a, c in near):
-                self.add(s, "sync-before-step", ast.unparse(s.func).replace(XM, "xm"))
-
-    def replica_hangs(self) -> None:
-        """Collectives some replicas skip (rank test, break, return); shards of unequal length."""
-        gate = lambda n, stop=None: next((p for p in self.chain(n, stop) if isinstance(  # noqa: E731
-            p, (ast.If, ast.IfExp)) and _RANK.search(ast.unparse(p.test))), None)  # `if rank...`
-        coll = [c for c in self.calls if _COLL.search(self.qual(c.func))]
-        key = lambda c: (self.owner[c], self.qual(c.func), ast.unparse(c.args[:1]))  # noqa: E731
-        for c in (c for c in coll if gate(c) and [*map(key, coll)].count(key(c)) == 1):  # paired
-            self.add(c, "collective-on-some-ranks", f"{ast.unparse(c.func)} under `if "  # (once
-                     f"{ast.unparse(gate(c).test)}`".replace(XM, "xm"))  # per rank): fine
-        for b in self.of.get(ast.Break, []) + self.of.get(ast.Return, []):
-            loop = self.loop.get(b) if isinstance(b, ast.Break) else self.owner[b]
-            start = self.pos[b if loop is self.owner[b] else loop]  # a return: what follows it
-            if (g := gate(b, loop)) and any(start < self.pos[c] < self.end[loop] and not gate(c)
-                                            for c in coll):
-                self.add(b, "collective-on-some-ranks", f"{type(b).__name__.lower()} under `if "
-                         f"{ast.unparse(g.test)}`, before a collective the others still call")
-        for n in self.of.get(ast.Subscript, []) + self.calls:
-            sl, a = getattr(n, "slice", None), getattr(n, "args", [])
-            r, w = (sl.lower, sl.step) if isinstance(sl, ast.Slice) else (a[0], a[2]) if len(
-                a) == 3 and self.qual(n.func) == "range" else (None, None)
-            if r and w and _RANK.search(ast.unparse(r)) and _WORLD.search(ast.unparse(w)) and (
-                    any(map(self.is_step, self.by_owner.get(self.owner[n], []))) or "train" in
-                    ast.unparse(self.parents[n]).lower()):
-                self.add(n, "uneven-shard", ast.unparse(n))
 
 
 _FRAME = re.compile(r"^\s+(\S+) \((.+):(\d+)\)\s*$")  # "  fn (file:line)", as torch_xla prints it

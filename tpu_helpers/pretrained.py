@@ -1,29 +1,44 @@
 """Pretrained weights onto the XLA device one tensor at a time: the host never holds the model.
 
-``from_pretrained(...)`` builds the whole model in host memory and ``.to(device)`` copies it:
-two copies at the peak, per replica, which is where a Kaggle session dies first (pytorch/xla
-issue 6822). Instead, build the model on the device (``with torch.device(torch_xla.device()):``;
-the random initial values are lazy and never computed, as every weight is overwritten before the
+``from_pretrained(...)`` builds the whole model in host memory and ``.to(device)`` copies it,
+in every replica: on a TPU host the host runs out first (pytorch/xla issue 6822; measured with
+transformers 5.24, which memory-maps the files: 1.4-1.5x the model at the peak, ``make bench``).
+Instead, build the model on the device (``with torch.device(torch_xla.device()):``; the random
+initial values are lazy and never computed, as every weight is overwritten before the
 first sync) and stream each tensor of the safetensors files into it: the host holds one tensor
 at a time, the file's own pages, handed back to the OS once sent (:func:`stream_to_device`).
 Non-persistent buffers (rotary frequencies) come from the model's own ``__init__``, on the device.
 
-Copy this file alone: torch, torch_xla and the standard library. The safetensors format is read here
-directly (8 bytes of header length, a JSON header of names, dtypes, shapes and byte offsets, then
-raw bytes), so loading a file never runs code from it. Importing this module does not touch the
-XLA device.
+Also: :func:`to_mesh` (each tensor straight to its FSDPv2 shards under SPMD), what a training
+run holds per chip (:func:`training_bytes`, :func:`saved_activation_bytes`) and a LoRA adapter
+saved alone from the device (:func:`save_adapter`). Taught in notebook 14.
+
+Copy it with ``checkpoint.py`` (its atomic file writes); torch, torch_xla and the standard
+library otherwise. The safetensors format is read here directly (8 bytes of header length, a JSON
+header of names, dtypes, shapes and byte offsets, then raw bytes), so loading a file never runs
+code from it. Importing this module does not touch the XLA device.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+
+try:  # inside the tpu_helpers package
+    from .checkpoint import atomic_write
+except ImportError:  # copied next to checkpoint.py (the one helper that writes files)
+    from checkpoint import atomic_write  # type: ignore[no-redef]
 
 INDEX = "model.safetensors.index.json"  #: a sharded checkpoint's map: tensor name -> file
 SINGLE = "model.safetensors"  #: an unsharded checkpoint
@@ -94,14 +109,15 @@ def tensors_of(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def stream_to_device(model: torch.nn.Module, folder: str | Path, *,
-                     dtype: torch.dtype | None = None) -> Streamed:
+                     dtype: torch.dtype | None = None, mesh: xs.Mesh | None = None) -> Streamed:
     """Copy every tensor of the checkpoint in ``folder`` into ``model``'s parameters and
     persistent buffers, where they already are (the XLA device), one tensor at a time.
 
     Every name in the files must be one of the model's and every one of the model's persistent
     tensors must be in the files (tied weights count once), with the same shape: otherwise
     :class:`CheckpointMismatch`, before anything is copied. ``dtype`` casts on the host first
-    (e.g. ``torch.bfloat16``); by default each weight keeps the model's dtype.
+    (e.g. ``torch.bfloat16``); by default each weight keeps the model's dtype. ``mesh`` (SPMD):
+    each tensor goes straight to its FSDPv2 shards (:func:`to_mesh`): no device holds it whole.
     """
     folder, files = Path(folder), checkpoint_files(folder)
     targets = dict(model.named_parameters(remove_duplicate=False))
@@ -127,13 +143,42 @@ def stream_to_device(model: torch.nn.Module, folder: str | Path, *,
         for file in files:
             for name, host in tensors_of(folder / file):  # this one tensor, the file's pages
                 target = targets[name]  # its data swapped, the object kept (ties hold):
-                target.data = host.to(dtype or target.dtype).to(target.device)  # no copy op
+                host = host.to(dtype or target.dtype)
+                target.data = to_mesh(host, mesh) if mesh else host.to(target.device)  # no op
                 if target.device.type == "xla":  # the transfer is asynchronous: let it finish,
                     xm.wait_device_ops()  # so the host never queues more than this tensor
                 done.tensors, done.bytes = done.tensors + 1, done.bytes + host.nbytes
                 done.largest_bytes = max(done.largest_bytes, host.nbytes)
                 del host
     return done
+
+
+def to_mesh(host: torch.Tensor, mesh: xs.Mesh, axis: str = "fsdp") -> torch.Tensor:
+    """``host`` on the SPMD device, dim 0 split over the mesh's ``axis`` (FSDPv2's layout,
+    ``_prepare_spmd_partition_spec``), each device sent only its own rows.
+
+    ``xs.mark_sharding`` (public) would put the whole tensor on the device first and split it
+    there, 2-3x the tensor at the peak; torch_xla's private ``_XLAC._global_tensor_from_cpu_shards``
+    (used by its own ``_internal/tpu.py``, v2.8.0 and v2.9.0) takes one host slice per device,
+    padded to equal rows as XLA pads an uneven split. One host: its devices are the mesh's.
+    """
+    if xr.process_count() > 1:
+        raise NotImplementedError("to_mesh: one host only (its devices are all the mesh's)")
+    spec = ((axis,) + (None,) * (host.dim() - 1)) if host.dim() else ()
+    axis_of = mesh.get_logical_mesh()  # device id -> its place on `axis`
+    place = {int(d): int(i[mesh.axis_names.index(axis)]) for i, d in np.ndenumerate(axis_of)}
+    parts = mesh.mesh_shape[mesh.axis_names.index(axis)]
+    rows = -(-host.shape[0] // parts) if host.dim() else 0
+    slices = []
+    for device in range(len(place)):
+        if not host.dim():
+            slices.append(host)
+            continue
+        part = host[place[device] * rows:(place[device] + 1) * rows]
+        pad = rows - part.shape[0]
+        slices.append(torch.cat([part, part.new_zeros(pad, *host.shape[1:])]) if pad else part)
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(
+        slices, mesh.get_op_sharding(spec), list(host.shape))
 
 
 def _persistent(model: torch.nn.Module, name: str) -> bool:
@@ -182,3 +227,37 @@ def training_bytes(params: int, trainable: int | None = None, *, bytes_per_weigh
     trainable = params if trainable is None else trainable
     split = lambda n: -(-n * bytes_per_weight // shards)  # noqa: E731  (rounded up)
     return TrainingBytes(split(params), split(trainable), split(trainable * optimizer_states))
+
+
+def saved_activation_bytes(model: torch.nn.Module, *args, **kwargs) -> int:
+    """Bytes autograd keeps for the backward of one ``model(*args, **kwargs)``: the activations
+    (each storage once; parameters and views of them are weights, not counted). Any device; on
+    the ``meta`` device a real model's shapes cost no memory and milliseconds."""
+    weights, kept = {id(p) for p in model.parameters()}, {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base  # a view is stored once, with its base
+        if id(t) not in weights and id(base) not in weights:
+            kept[id(base)] = base
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(*args, **kwargs)
+    return sum(t.nelement() * t.element_size() for t in kept.values())
+
+
+def save_adapter(model: torch.nn.Module, folder: str | Path) -> dict[str, int]:
+    """A ``peft`` model's trainable tensors alone (``adapter_model.safetensors`` and
+    ``adapter_config.json``; file name -> bytes), from host copies: ``model.save_pretrained``
+    on XLA tensors fails in safetensors 0.8.0 (``storage_ptr``: "invalid python storage").
+    Each file is written atomically (``checkpoint.atomic_write``). Call it on one process."""
+    host = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    folder, written = Path(folder), {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, state_dict=host)
+        for file in sorted(Path(tmp).iterdir()):
+            data = file.read_bytes()
+            atomic_write(folder / file.name, lambda f, data=data: f.write(data))
+            written[file.name] = len(data)
+    return written
+

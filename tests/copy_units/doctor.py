@@ -1,6 +1,6 @@
-# copies: doctor.py doctor_run.py doctor_rules.toml
+# copies: doctor.py doctor_run.py doctor_static.py doctor_rules.toml
 # Check a script before a TPU hour is spent: the static pass names a removed API, --run its crash;
-# the pair works as two files next to the script and as a package of the project (tools/).
+# the three files work next to the script and as a package of the project (tools/).
 import shutil, subprocess, sys
 from pathlib import Path
 import doctor
@@ -13,7 +13,7 @@ report = doctor.check("old.py", run=2, timeout=120)
 assert sorted((f.kind, f.line) for f in report.findings) == [("crash", 2), ("removed-api", 2)]
 print(report.table())
 Path("pkg/tools").mkdir(parents=True)  # no flat copy on this path: the relative import must work
-for name in ("doctor.py", "doctor_run.py", "doctor_rules.toml"):
+for name in ("doctor.py", "doctor_run.py", "doctor_static.py", "doctor_rules.toml"):
     shutil.copy(name, Path("pkg/tools", name))
 proc = subprocess.run([sys.executable, "-m", "tools.doctor", "--run", "2", "--json", "../old.py"],
                       cwd="pkg", capture_output=True, text=True, timeout=180)

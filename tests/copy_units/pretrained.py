@@ -1,4 +1,4 @@
-# copies: pretrained.py
+# copies: pretrained.py checkpoint.py
 # Your model's weights, saved as safetensors shards with an index (as the Hub stores a big model),
 # streamed onto the device one tensor at a time; a wrong shape is named before anything moves.
 import json, os
