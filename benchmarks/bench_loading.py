@@ -18,10 +18,10 @@ baseline:
 On XLA:CPU the device's buffers live in host memory too, so each peak includes them;
 ``host beyond the device`` subtracts the bytes the devices hold (read from each device's
 buffers): what the method itself holds on the host. The goal: (b) and (c) within the largest
-tensor plus a fixed 64 MiB. (a) is measured,
-not judged: transformers 5.24 reads safetensors through memory maps, and its peak here was about
-1.5x the model, not the 2x of a full host copy. On a TPU the device bytes are HBM and the host
-peak is the second number alone [expected, not yet run on a TPU].
+tensor plus a fixed 64 MiB; (c) 1/8 of the model per device, the checkpoint read once. (a) is
+measured, not judged: transformers 5.24 reads safetensors through memory maps, and its peak here
+was 1.35x the model (245 MiB), not the 2x of a full host copy. On a TPU the device bytes are HBM
+and the host peak is the second number alone [expected, not yet run on a TPU].
 """
 
 from __future__ import annotations

@@ -78,9 +78,11 @@ def save_hub_shaped(folder: str | Path, tokenizer=None, *, size: str = "tiny", s
 
 
 def lm_blocks(tokenizer, texts: list[str], length: int) -> list[dict[str, torch.Tensor]]:
-    """nanoGPT's batches for a causal LM: every text's tokens in one stream, cut into rows of
-    ``length`` (no padding, so every batch has one shape); labels are the tokens."""
-    stream = [t for text in texts for t in tokenizer(text)["input_ids"]]
+    """nanoGPT's batches for a causal LM: every text's tokens and an end-of-text token in one
+    stream, cut into rows of ``length`` (no padding: every batch has one shape); labels are the
+    tokens."""
+    end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream = [t for text in texts for t in tokenizer(text)["input_ids"] + end]
     rows = torch.tensor(stream[:len(stream) // length * length]).view(-1, length)
     return [{"input_ids": r, "labels": r} for r in rows]
 

@@ -297,8 +297,10 @@ def _no_cuda(reqs: list[str]) -> None:
 def test_colab_image_installs_nothing_heavy(torch_imported):
     plan = setup.plan_setup(COLAB, "colab", has_tpu=True, torch_imported=torch_imported)
     assert plan.heavy == [] and plan.changes == {} and not plan.restart_needed
-    # Colab's transformers 5.15.0 / accelerate 1.14.0 are older than notebook 11's floor
-    assert plan.install == ["lightning==2.6.6", "transformers>=5.24.0", "accelerate>=1.15.0"]
+    # Colab's transformers 5.15.0 / accelerate 1.14.0 are older than notebook 11's floor; its
+    # image has no peft (notebook 14)
+    assert plan.install == ["lightning==2.6.6", "transformers>=5.24.0", "accelerate>=1.15.0",
+                            "peft>=0.21.2"]
     assert plan.pip_args == []
     assert "(older here: transformers 5.15.0, accelerate 1.14.0)" in plan.before
     assert plan.target.name == "2.9"
