@@ -167,7 +167,9 @@ def test_checkpointing_with_the_cache_on_gives_wrong_gradients_or_fails(attentio
             grads[mode] = str(err)
     assert torch.allclose(grads["checkpointed"], grads["plain"], atol=1e-6)
     if attention == "eager":
-        assert "not compatible for broadcasting" in grads["cache on"]
+        assert isinstance(grads["cache on"], str)  # a RuntimeError on the shapes
+        assert any(m in grads["cache on"] for m in ("not compatible for broadcasting",  # 2.9
+                                                    "dim1 == dim2"))  # 2.8's check
     else:
         assert (grads["cache on"] - grads["plain"]).abs().max() > 1e-3
 
