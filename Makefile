@@ -150,7 +150,7 @@ test-one: $(STAMP)
 # dependencies, into an overlay folder on PYTHONPATH (built once, rebuilt when that file changes);
 # the venvs and their requirements are untouched, and a check refuses an overlay that shadows a
 # venv package. The plugin (scripts/jax_lane) fails a notebook whose processes did not all have
-# jax on their path (02 03 04 07 10 11 12 13 import it: SPMD, sharding, scan, MpDeviceLoader's
+# jax on their path (02 03 04 07 10-14 import it: SPMD, sharding, scan, MpDeviceLoader's
 # profiler trace, FSDPv2; the others run with it present, as on the platforms), and runs the jax
 # paths' tests. Its own artifact: on a host without TPU chips, jax's backend start sets
 # TPU_SKIP_MDS_QUERY=1 (jax/_src/cloud_tpu_init.py), after which torch_xla's tpu.version() needs

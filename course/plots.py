@@ -10,7 +10,7 @@ import torch
 import torch_xla.runtime as xr
 from matplotlib.patches import Rectangle
 
-from course.sharding import ShardPlacement, tensor_placements
+from tpu_helpers.spmd import ShardPlacement, tensor_placements
 
 #: Wrapper prefixes that say nothing about the layout (FSDPv2 keeps the model in
 #: ``_orig_module``; torch.compile in ``_orig_mod``).

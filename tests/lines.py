@@ -45,7 +45,7 @@ LINE_SENSITIVE = {
         "2.9 emits a DeprecationWarning from inside mesh_reduce (REFERENCE 3)",
     r"distributed_checkpoint|\bdist_cp\b|distributed\.checkpoint":
         "torch 2.9's checkpoint reader asks for a rank's own file, 2.8's does not "
-        "(course/sharding.py)",
+        "(tpu_helpers/sharded_checkpoint.py)",
     r"debug\.profiler|\bxp\.(Trace|StepTrace|start_trace)":
         "2.8 logs a jax notice at every profiler trace (course/setup.py)",
     r"torch_xla\.compile\b|\bopenxla\b":

@@ -135,7 +135,7 @@ def test_lightning_trainer_fit_from_the_file_is_refused(tmp_path, marker):
 def test_lightning_rank_and_merged_files_are_refused(tmp_path, marker):
     """The Lightning writer's files use predict's rank-file protocol: npz read without pickle
     and a JSON record; a crafted rank file or record is refused by name, no code runs."""
-    from course.lightning_writer import MERGED_FILE, read_predictions
+    from tpu_helpers.lightning_writer import MERGED_FILE, read_predictions
     from tpu_helpers.ordering import rank_file_name
 
     (tmp_path / MERGED_FILE).write_text(json.dumps({"world_size": 1, "n": 2}))
@@ -170,8 +170,8 @@ import torch
 import torch_xla, torch_xla.runtime as xr
 xr.use_spmd()
 import torch_xla.distributed.spmd as xs
-from course.sharding import (ShardedCheckpointError, load_sharded_checkpoint,
-                             save_sharded_checkpoint)
+from tpu_helpers.sharded_checkpoint import (ShardedCheckpointError, load_sharded_checkpoint,
+                                            save_sharded_checkpoint)
 from tpu_helpers.spmd import device_mesh
 
 out, marker = sys.argv[1], sys.argv[2]
@@ -193,7 +193,7 @@ def attempt(name):
 meta = good / ".metadata"
 original = meta.read_bytes()
 import dataclasses
-from course.sharding import _SafeReader
+from tpu_helpers.sharded_checkpoint import _SafeReader
 traversal = _SafeReader(good).read_metadata()  # the real metadata, one path changed
 traversal.storage_data = {k: dataclasses.replace(v, relative_path="../../x.distcp")
                           for k, v in traversal.storage_data.items()}

@@ -54,9 +54,10 @@ def test_a_second_process_fails_to_load_the_cache_and_compiles_again(first_run):
         assert "cannot load it back" in err and "issue 9094" in err, err[-2000:]
 
 
-#: Text files a learner reads: README, notebooks, toolkit, course code, benchmarks, scripts.
-_TEXTS = ["README.md", "notebooks/README.md", "notebooks/*.ipynb", "tpu_helpers/*.py",
-          "course/*.py", "benchmarks/*", "scripts/*"]
+#: Text files a learner reads: README and its pages, notebooks, toolkit, course code, benchmarks
+#: (their README too), scripts.
+_TEXTS = ["README.md", "GUIDE.md", "CONTRIBUTING.md", "notebooks/README.md", "notebooks/*.ipynb",
+          "tpu_helpers/*.py", "course/*.py", "benchmarks/*", "scripts/*"]
 _CACHE = re.compile(r"compile.cache|initialize_cache|PersistentCache|--compile-cache", re.I)
 _PROMISE = re.compile(r"speed-?up|speeds? up|faster|cache hits?\b|cache read|skips? the compil"
                       r"|instead of compiling|benefit", re.I)

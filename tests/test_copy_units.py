@@ -2,11 +2,12 @@
 
 Each script in ``tests/copy_units/`` names on its first line the toolkit files a user copies
 (``# copies: data.py``: a unit is one module or a declared pair, plus data files: the doctor's
-rules; train.py is a unit of four, the doctor one of three). The test copies exactly those
-files into a temporary folder outside the repository and runs the script there in a fresh
-Python with the repository off ``sys.path`` and ``tpu_helpers`` and ``course`` made unimportable
-(so a hidden import of anything else fails), on XLA:CPU. The script prints ``ok`` last. Every
-module in ``tpu_helpers/`` must be copied by at least one script.
+rules; train.py is a unit of four, the doctor and Lightning's prediction writer units of
+three). The test copies exactly those files into a temporary folder outside the repository
+and runs the script there in a fresh Python with the repository off ``sys.path`` and
+``tpu_helpers`` and ``course`` made unimportable (so a hidden import of anything else fails),
+on XLA:CPU. The script prints ``ok`` last. Every module in ``tpu_helpers/`` must be copied by
+at least one script.
 
 A script whose fresh Python imports ``torch_xla`` before anything else runs (``WARM``: its
 leading statements are imports that reach torch_xla, see ``imports_torch_xla_first``) runs
@@ -87,8 +88,10 @@ SCRIPTS = sorted(UNITS.glob("*.py"))
 #: every replica with launch.py (which is a unit alone: your own loop, no fit). Lightning's
 #: unit is a pair: its checkpoint IO needs checkpoint.py (atomic writes, safe loads). The doctor
 #: is three: its static pass, the rules that pass inherits, and the --run pass with the catalogue
-#: (which the --run child loads alone).
-LARGER_UNITS = {"train": 4, "doctor": 3}
+#: (which the --run child loads alone). Lightning's prediction writer is three: its rank files
+#: are ordering.py's format and merge (the one predict.py uses), written with checkpoint.py's
+#: atomic_write.
+LARGER_UNITS = {"train": 4, "doctor": 3, "lightning_writer": 3}
 
 
 def test_every_toolkit_module_is_a_tested_copy_unit():
@@ -133,7 +136,7 @@ WARM = [s.stem for s in SCRIPTS if imports_torch_xla_first(
 
 def test_warm_units_are_those_whose_script_imports_torch_xla_first():
     assert WARM == ["checkpoint", "device_loader", "hang_watchdog", "launch", "predict",
-                    "pretrained", "spmd", "train"]
+                    "pretrained", "sharded_checkpoint", "spmd", "train"]
 
 
 @pytest.fixture(scope="module")

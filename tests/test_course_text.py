@@ -15,7 +15,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import course_text as ct  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-READMES = [ROOT / "README.md", ROOT / "notebooks" / "README.md"]
+READMES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "GUIDE.md",
+           ROOT / "benchmarks" / "README.md", ROOT / "notebooks" / "README.md"]
 pytestmark = pytest.mark.one_line
 
 
@@ -25,7 +26,7 @@ def test_every_tpu_sentence_says_where_it_comes_from(nb):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("doc", NOTEBOOKS + READMES, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", NOTEBOOKS + READMES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_cross_reference_resolves(doc):
     refs = ct.references(doc)
     bad = [f"{ref!r}: {why}" for ref, why in refs if why]

@@ -12,7 +12,7 @@ What changes with jax, and what is pinned here:
   torchax imports); the annotation itself is unchanged. 2.9 also sets
   ``jax_use_shardy_partitioner=False``; 2.8 does not, and 2.8 without jax logs a notice instead.
 * ``dist_cp.save`` with the default ``FileSystemWriter`` then fails (``current_stream``);
-  ``course.sharding.xla_storage_writer`` / ``save_sharded_checkpoint`` do not.
+  ``tpu_helpers.sharded_checkpoint.xla_storage_writer`` / ``save_sharded_checkpoint`` do not.
 * ``xs.shard_as`` (``jax.experimental.shard_alike``) and so ``scan_layers``' backward under SPMD:
   fine on 2.9 with flax; on 2.8 XLA's partitioner refuses jax 0.7.2's Shardy op until
   ``tpu_helpers.spmd.jax_lowers_for_gspmd()``; then the gradients equal the unrolled loop's.
@@ -94,7 +94,8 @@ def test_default_dist_cp_writer_fails_after_torchax_and_the_toolkit_saves():
 import tempfile
 import torch.distributed.checkpoint as dist_cp
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
-from course.sharding import load_sharded_checkpoint, save_sharded_checkpoint, xla_storage_writer
+from tpu_helpers.sharded_checkpoint import (load_sharded_checkpoint, save_sharded_checkpoint,
+                                            xla_storage_writer)
 w = torch.arange(32.0).reshape(8, 4).to(dev)
 xs.mark_sharding(w, mesh, ("fsdp", None))
 out["privateuse1"] = torch._C._get_privateuse1_backend_name()

@@ -32,9 +32,9 @@ from course.lightning_demo import (
     lightning_processes,
     trainer_kwargs_here,
 )
-from course.lightning_writer import ExactlyOncePredictionWriter, read_predictions
 from tpu_helpers.data import ArrayDataset
 from tpu_helpers.env import EnvironmentProblem, Runtime, layout_for
+from tpu_helpers.lightning_writer import ExactlyOncePredictionWriter, read_predictions
 from tpu_helpers.tpu_lightning import AtomicXLACheckpointIO, trainer_kwargs
 
 QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}

@@ -68,7 +68,7 @@ from torch.utils.data import DataLoader
 
 from course.datasets import load_digits
 from course.lightning_demo import DigitsData, LitDigits, XLACountsCallback, read_counts
-from course.lightning_writer import ExactlyOncePredictionWriter, read_predictions
+from tpu_helpers.lightning_writer import ExactlyOncePredictionWriter, read_predictions
 from tpu_helpers.data import ArrayDataset, split_global_batch
 from tpu_helpers.tpu_lightning import AtomicXLACheckpointIO
 

@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from course.lightning_writer import MERGED_FILE, ExactlyOncePredictionWriter, read_predictions
+from tpu_helpers.lightning_writer import MERGED_FILE, ExactlyOncePredictionWriter, read_predictions
 from tpu_helpers.ordering import PredictionError, merge_rank_files, rank_file_name
 
 ROW = 3
@@ -186,7 +186,7 @@ import numpy as np
 import torch
 import lightning as L
 from torch.utils.data import DataLoader, TensorDataset
-from course.lightning_writer import ExactlyOncePredictionWriter, read_predictions
+from tpu_helpers.lightning_writer import ExactlyOncePredictionWriter, read_predictions
 
 
 class Linear(L.LightningModule):

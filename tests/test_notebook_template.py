@@ -369,7 +369,8 @@ ARTICLE_TITLES = ("How can prediction results be gathered on a TPU using PyTorch
 
 
 def _learner_facing_files() -> list[Path]:
-    files = [REPO / "README.md", REPO / "notebooks" / "README.md", *NOTEBOOKS]
+    files = [REPO / "README.md", REPO / "GUIDE.md", REPO / "CONTRIBUTING.md",
+             REPO / "notebooks" / "README.md", *NOTEBOOKS]
     for folder in ("course", "tpu_helpers", "benchmarks", "scripts"):
         files += [f for f in sorted((REPO / folder).rglob("*"))
                   if f.is_file() and "__pycache__" not in f.parts]

@@ -1,5 +1,5 @@
-"""tpu_helpers.spmd (mesh shapes, the sharding annotation) and course.sharding (shard placements,
-sharding summary, sharded checkpoints).
+"""tpu_helpers.spmd (mesh shapes, the sharding annotation, shard placements, sharding summary)
+and tpu_helpers.sharded_checkpoint (sharded checkpoints).
 
 The pure parts run here; everything that needs 4 devices and SPMD runs once in a fresh
 Python (``CPU_NUM_DEVICES=4``; this test process has one device) whose JSON report the
@@ -16,8 +16,8 @@ import sys
 import pytest
 from conftest import run_python
 
-from course.sharding import _first_gap, shard_placements
-from tpu_helpers.spmd import mesh_shapes, resolve_mesh_shape
+from tpu_helpers.sharded_checkpoint import _first_gap
+from tpu_helpers.spmd import mesh_shapes, resolve_mesh_shape, shard_placements
 
 # --------------------------------------------------------------------------- pure
 
@@ -132,8 +132,8 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     xr.use_spmd()
 from course.plots import plot_shard_layout
-from course.sharding import load_sharded_checkpoint, save_sharded_checkpoint, sharding_summary
-from tpu_helpers.spmd import device_mesh
+from tpu_helpers.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from tpu_helpers.spmd import device_mesh, sharding_summary
 
 out = {"devices": xr.global_runtime_device_count(), "counted_before": counted_before,
        "use_spmd_warnings": [str(w.message) for w in caught]}
@@ -161,7 +161,7 @@ out["xla_shard_devices"] = {k: [dv for _, dv in s] for k, s in zip(sharded, shar
 idx = torch_xla._XLAC._get_local_shard_replica_and_indices([ts[k] for k in sharded])
 out["xla_indices"] = {k: [[[s.start, s.stop] for s in i] for _, i in s]
                       for k, s in zip(sharded, idx)}
-from course.sharding import shard_placements
+from tpu_helpers.spmd import shard_placements
 out["our_indices"] = {k: [[list(b) for b in p.bounds] for p in shard_placements(
     torch_xla._XLAC._get_xla_sharding_spec(ts[k]), ts[k].shape, 4)] for k in sharded}
 from tpu_helpers.spmd import sharding_spec
@@ -298,7 +298,7 @@ def test_shard_plot_with_inputs_says_what_each_device_holds(spmd_report):
 
 def test_sharded_checkpoint_calls_show_no_warnings(spmd_report):
     # dist_cp's informational warnings (single process, planner signature, TypedStorage,
-    # torch_xla's list index) stay inside course.sharding: a learner sees none of them
+    # torch_xla's list index) stay inside tpu_helpers.sharded_checkpoint: a learner sees none
     assert spmd_report["save_warnings"] == []
     assert spmd_report["load_warnings"] == []
 

@@ -1,4 +1,4 @@
-"""course.sharding sharded checkpoints saved by several hosts at once (a pod's hosts).
+"""tpu_helpers.sharded_checkpoint: checkpoints saved by several hosts at once (a pod's hosts).
 
 Each host of a pod is one process; here each is a real process (its own XLA:CPU runtime under
 SPMD with 2 virtual devices) in a real gloo process group (``file://`` rendezvous), which is
@@ -30,8 +30,8 @@ import torch, torch.distributed as dist
 import torch_xla, torch_xla.runtime as xr
 import torch_xla.distributed.spmd as xs
 from torch_xla.experimental.distributed_checkpoint._helpers import _CpuShards
-from course.sharding import (ShardedCheckpointError, load_sharded_checkpoint,
-                             save_sharded_checkpoint)
+from tpu_helpers.sharded_checkpoint import (ShardedCheckpointError, load_sharded_checkpoint,
+                                            save_sharded_checkpoint)
 from tpu_helpers.spmd import device_mesh
 
 action, storages, root, init = sys.argv[1:5]

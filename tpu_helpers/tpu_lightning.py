@@ -3,7 +3,7 @@
 Taught in notebook 06. Copy it with ``checkpoint.py`` (a ``lightning.py`` would hide the
 lightning package). Importing it does not touch the XLA device. Notebook 06's exactly-once
 prediction writer (``trainer.predict`` returns ``None`` with several processes, Lightning
-issue 7755) is course code: ``course/lightning_writer.py``.
+issue 7755) is a unit of its own beside this one: ``lightning_writer.py``.
 """
 
 from __future__ import annotations

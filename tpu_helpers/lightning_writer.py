@@ -1,15 +1,13 @@
-"""Notebook 06's exactly-once prediction writer for Lightning 2.6: every prediction once, in order.
+"""Lightning 2.6's exactly-once prediction writer: every prediction once, in dataset order.
 
 ``trainer.predict`` returns ``None`` with several processes (Lightning issue 7755):
 :class:`ExactlyOncePredictionWriter` has each rank write its rows to a rank file and rank 0
-merge them; :func:`read_predictions` gives the merged result in any process. Taught in
-notebook 06, section 7. It lived in the toolkit's ``tpu_helpers/tpu_lightning.py`` and moved
-here because only notebook 06 uses it (issue 28: no code path kept only for one notebook).
-It uses two toolkit modules: ``tpu_helpers.ordering`` (the rank-file format and the
-exactly-once merge notebook 04's ``predict`` shares) and ``tpu_helpers.checkpoint``
-(``atomic_write``). To use it in your project, copy it into a project that has
-``tpu_helpers/ordering.py`` and ``tpu_helpers/checkpoint.py``. Importing it does not touch
-the XLA device.
+merge them; :func:`read_predictions` gives the merged result in any process, and
+``writer.predict(trainer, model, loader)`` also handles fewer samples than processes
+(:class:`PaddedToWorld`). Taught in notebook 06, section 7; it sits beside ``tpu_lightning.py``
+(the Trainer arguments), which it does not need. Copy it with ``ordering.py`` (the rank-file
+format and the exactly-once merge notebook 04's ``predict`` shares) and ``checkpoint.py``
+(``atomic_write``). Importing it does not touch the XLA device.
 """
 
 from __future__ import annotations
@@ -25,14 +23,18 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader, Dataset
 
-from tpu_helpers.checkpoint import atomic_write
-from tpu_helpers.ordering import (
-    Ordered,
-    PredictionError,
-    merge_rank_files,
-    rank_file_name,
-    save_rank_file,
-)
+try:  # inside the tpu_helpers package
+    from .checkpoint import atomic_write
+    from .ordering import Ordered, PredictionError, merge_rank_files, rank_file_name, save_rank_file
+except ImportError:  # copied next to checkpoint.py and ordering.py into your project
+    from checkpoint import atomic_write  # type: ignore[no-redef]
+    from ordering import (  # type: ignore[no-redef]
+        Ordered,
+        PredictionError,
+        merge_rank_files,
+        rank_file_name,
+        save_rank_file,
+    )
 
 #: Written by rank 0 once every rank file is merged: which files make up the result.
 MERGED_FILE = "merged.json"

@@ -1,21 +1,24 @@
-"""Where each shard of an SPMD tensor lives (``sharding_summary``: bytes per device from the
-annotation, no copy) and sharded checkpoints saved atomically and loaded safely
-(``save_sharded_checkpoint`` / ``load_sharded_checkpoint``, on one host or every host of a pod).
-Taught in notebook 07: the summary from section 3, the placements in section 7's figures
-(``course/plots.py``), the checkpoints in section 9. Moved here from the toolkit's
-``tpu_helpers/spmd.py`` because only that notebook uses it (issue 28); the package ships it as
-``course.sharding``. Of the repository it imports ``tpu_helpers.spmd`` (``sharding_spec``) and
-``tpu_helpers.checkpoint`` (``fsync_folder``, the folder sync of ``atomic_write``);
-importing it starts no XLA runtime (call the runtime functions after ``xr.use_spmd()``)."""
+"""Sharded checkpoints of an SPMD model, saved atomically and loaded without running code:
+:func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint`, on one host or on every host
+of a pod (``storage="shared"``: one folder all hosts see; ``"local"``: each host's own disk).
+
+``torch.distributed.checkpoint`` (``dist_cp``) with torch_xla's SPMD planners writes each
+device's shards (no gather) and reads them back into the state dict's own tensors, shardings
+kept. This unit adds: a temporary folder renamed into place (a kill leaves the old checkpoint
+or the new one), a failure on any host raised on every host, the ``.metadata`` file read by a
+restricted unpickler (``dist_cp``'s plain ``pickle.load`` would run a crafted file's code),
+and, before any tensor is read, the data files, names, shapes and saved chunks checked
+(:class:`ShardedCheckpointError` names the file); :func:`xla_storage_writer` is the writer
+setting ``dist_cp`` needs where jax is installed (Colab, Kaggle). Taught in notebook 07,
+section 9. Copy it with ``checkpoint.py`` (``fsync_folder``, the folder sync of its
+``atomic_write``). Importing it starts no XLA runtime (save and load after ``xr.use_spmd()``).
+"""
 
 import contextlib
-import dataclasses
 import importlib
 import itertools
-import math
 import os
 import pickle
-import re
 import shutil
 import tempfile
 import warnings
@@ -23,100 +26,18 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dist_cp
 import torch_xla
-import torch_xla.runtime as xr
+import torch_xla.distributed.spmd as xs
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 
-from tpu_helpers.checkpoint import fsync_folder
-from tpu_helpers.spmd import sharding_spec
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardPlacement:
-    """``tensor[index]`` lives on ``device``, which allocates ``padded_shape`` (padded)."""
-
-    device: int
-    index: tuple[slice, ...]
-    padded_shape: tuple[int, ...]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(s.stop - s.start for s in self.index)
-
-    @property
-    def bounds(self) -> tuple[tuple[int, int], ...]:
-        """``index`` as ``(start, stop)`` pairs (hashable, unlike slices before 3.12)."""
-        return tuple((s.start, s.stop) for s in self.index)
-
-
-_TILED = re.compile(r"^\{devices=\[([\d,]+)\](.*?)( last_tile_dim_replicate)?\}$")
-_IOTA = re.compile(r"^<=\[([\d,]+)\](?:T\(([\d,]+)\))?$")
-
-
-def shard_placements(spec: str, shape: Sequence[int], num_devices: int) -> list[ShardPlacement]:
-    """Which slice of a tensor of ``shape`` each device holds, ordered by device (pure).
-    ``spec``: :func:`sharding_spec` of the tensor, tiled, replicated or ``""``."""
-    shape = tuple(int(s) for s in shape)
-    if spec in ("", "{replicated}"):
-        return [ShardPlacement(d, tuple(slice(0, n) for n in shape), shape)
-                for d in range(num_devices)]
-    m = _TILED.match(spec)
-    if not m:
-        raise ValueError(f"sharding {spec!r} is not tiled or replicated")
-    dims = [int(d) for d in m.group(1).split(",")]
-    tile_dims = dims[:-1] if m.group(3) else dims
-    if len(tile_dims) != len(shape):
-        raise ValueError(f"sharding {spec!r} tiles {len(tile_dims)} dims of shape {shape}")
-    iota = _IOTA.match(m.group(2))
-    if iota:  # XLA's compact "iota" form: <=[4] or <=[2,2]T(1,0)
-        base = [int(d) for d in iota.group(1).split(",")]
-        ids = np.arange(math.prod(base)).reshape(base)
-        if iota.group(2):
-            ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
-    else:
-        ids = np.array([int(d) for d in m.group(2).split(",")])
-    if ids.size != math.prod(dims):
-        raise ValueError(f"sharding {spec!r}: {ids.size} device ids for tiles {dims}")
-    tiles = ids.reshape(dims)
-    padded = tuple(-(-n // t) for n, t in zip(shape, tile_dims, strict=True))
-    out = []
-    for tile in np.ndindex(*tile_dims):
-        index = tuple(slice(min(i * p, n), min((i + 1) * p, n))
-                      for i, p, n in zip(tile, padded, shape, strict=True))
-        out += [ShardPlacement(int(d), index, padded) for d in np.ravel(tiles[tile])]
-    if sorted(p.device for p in out) != list(range(len(out))):
-        raise ValueError(f"sharding {spec!r} does not place each of {len(out)} devices once")
-    if len(out) != num_devices:
-        raise ValueError(f"sharding {spec!r} uses {len(out)} devices, not {num_devices}")
-    return sorted(out, key=lambda p: p.device)
-
-
-def tensor_placements(t: torch.Tensor) -> list[ShardPlacement]:
-    """:func:`shard_placements` of a tensor, from its sharding annotation (no data moves)."""
-    return shard_placements(sharding_spec(t), t.shape, xr.global_runtime_device_count())
-
-
-def sharding_summary(tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> list[dict[str, Any]]:
-    """A row per tensor (or parameter): ``copies`` (devices holding each element), ``bytes``,
-    ``bytes/device`` (padded shard), ``fraction``; ``pd.DataFrame(rows)`` makes a table."""
-    named = (tensors.named_parameters() if isinstance(tensors, torch.nn.Module)
-             else tensors.items())
-    rows = []
-    for name, t in named:
-        places = tensor_placements(t)
-        total = t.numel() * t.element_size()
-        per_device = max(math.prod(p.padded_shape) for p in places) * t.element_size()
-        rows.append({"tensor": name, "shape": tuple(t.shape),
-                     "dtype": str(t.dtype).removeprefix("torch."),
-                     "sharding": sharding_spec(t) or "(none: replicated)",
-                     "copies": len(places) // len({p.bounds for p in places}), "bytes": total,
-                     "bytes/device": per_device, "fraction": per_device / total if total else 1.0})
-    return rows
+try:  # inside the tpu_helpers package
+    from .checkpoint import fsync_folder
+except ImportError:  # copied next to checkpoint.py into your project
+    from checkpoint import fsync_folder  # type: ignore[no-redef]
 
 
 @contextlib.contextmanager
@@ -307,10 +228,15 @@ def _local_shard_indices(t: torch.Tensor) -> list[Any]:
     return [index for _, index in pairs]
 
 
+def _annotated(t: torch.Tensor) -> bool:
+    """``t`` has a sharding annotation (``spmd.sharding_spec(t) != ""``, without that sibling)."""
+    return t.device.type == "xla" and bool(xs.XLAShardedTensor(t).sharding_spec)
+
+
 def _needed(t: torch.Tensor) -> list[Box]:
     """What this host loads of ``t``: its own shards if ``t`` is sharded, else all of it."""
     whole = tuple((0, n) for n in t.shape)
-    if not sharding_spec(t):
+    if not _annotated(t):
         return [whole]
     return [whole if index is Ellipsis else
             tuple((min(s.start, n), min(s.stop, n)) for s, n in zip(index, t.shape, strict=True))
