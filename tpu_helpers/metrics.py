@@ -196,3 +196,12 @@ def track(max_compiles: int | None = None, max_transfers_from_device: int | None
     if broken:
         raise LimitExceeded(f"{what}: " + "; ".join(broken) + ".\n" + result.explain()
                             + f"\nAll counts: {c.as_dict()}")
+
+
+def hlo_text(tensors) -> str:
+    """The HLO text of the graph that would compute ``tensors`` (nothing runs): count an op in it,
+    e.g. ``hlo_text(grads).count("opt-barrier")``. torch_xla has no public call for this; it is
+    the private ``torch_xla._XLAC._get_xla_tensors_hlo`` (v2.8.0 and v2.9.0), kept here."""
+    import torch_xla  # deferred: importing this file stays device-free
+
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
