@@ -41,11 +41,12 @@ DEVICES = 8  #: (c): SPMD over this many virtual devices, one process (a v5e-8 h
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """Save the model once (``course.finetune.save_hub_shaped``), then measure each method in a
-    fresh process of its own (``course.finetune.measure_loading``)."""
+    fresh Python of its own, all at once (``course.finetune.measure_loading``; notebook 14 forks
+    its children from the kernel instead: the same measurement without a fresh import each)."""
     with tempfile.TemporaryDirectory(prefix="bench-loading-") as tmp:
         folder = save_hub_shaped(Path(tmp) / "model", size="quick" if quick else "full",
                                  shard="20MB" if quick else "50MB")
-        rows = measure_loading("".join(METHODS), folder, DEVICES)  # at once, each its own peak
+        rows = measure_loading("".join(METHODS), folder, DEVICES, fork=False)  # fresh Pythons
     largest = max(r["largest_tensor_mib"] for r in rows)
     for r in rows:  # (a) does not stream: the checkpoint's largest tensor, as (b) measured it
         r |= {"benchmark": "loading", "name": r["method"], "largest_tensor_mib": largest}

@@ -1,5 +1,6 @@
 """Notebook 14's demo pieces: a Hub-shaped checkpoint made here (nothing downloaded), loading
-measured in fresh processes, text blocks for a causal LM, and what fits on a TPU for real models.
+measured in processes of their own, text blocks for a causal LM, and what fits on a TPU for
+real models.
 
 The loading children read ``VmHWM`` (the process image's own high-water mark: ``ru_maxrss`` of a
 child started from a big parent carries the parent's peak) above a baseline taken after
@@ -11,9 +12,11 @@ them: what the method itself holds on the host.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -87,69 +90,120 @@ def lm_blocks(tokenizer, texts: list[str], length: int) -> list[dict[str, torch.
     return [{"input_ids": r, "labels": r} for r in rows]
 
 
-CHILD = r"""
-import json, resource, sys
-method, folder, devices = sys.argv[1], sys.argv[2], int(sys.argv[3])
-import torch, torch_xla, transformers
-import torch_xla.core.xla_model as xm
-import torch_xla.runtime as xr
-if method == "c":
-    xr.use_spmd()  # one process for every device of the host
-import torch_xla.distributed.spmd as xs
-from transformers import AutoConfig, AutoModelForCausalLM
-from tpu_helpers.pretrained import parameter_bytes, stream_to_device
-from tpu_helpers.spmd import device_mesh
+def _measure(method: str, folder: str, devices: int) -> dict[str, Any]:
+    """One way of loading, measured in this process (a child: forked or a fresh Python), on
+    XLA:CPU whatever the parent runs on: its own devices, its own peak."""
+    os.environ |= {"PJRT_DEVICE": "CPU", "TF_CPP_MIN_LOG_LEVEL": "2",
+                   "CPU_NUM_DEVICES": str(devices if method == "c" else 1)}
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-device = torch_xla.device()
-(torch.ones(2, device=device) * 2).cpu()  # the runtime is up: part of the baseline
-config = AutoConfig.from_pretrained(folder)
-with torch.device("meta"):  # the model's code imported (transformers imports it lazily)
-    AutoModelForCausalLM.from_config(config)
-rss = lambda: int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-base, largest, read = rss(), 0, 0
-if method == "a":
-    model = AutoModelForCausalLM.from_pretrained(folder).to(device)
-else:
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
-    mesh = device_mesh(("fsdp",)) if method == "c" else None
-    got = stream_to_device(model, folder, mesh=mesh)
-    largest, read = got.largest_bytes, got.bytes
-torch_xla.sync()
-xm.wait_device_ops()
-peak = next(int(line.split()[1]) for line in open("/proc/self/status")
-            if line.startswith("VmHWM:")) * 1024  # before the count below copies shards out
-held = [0] * xr.global_runtime_device_count()
-for t in [*model.parameters(), *model.buffers()]:
+    from tpu_helpers.pretrained import parameter_bytes, stream_to_device
+    from tpu_helpers.spmd import device_mesh
+
     if method == "c":
+        xr.use_spmd()  # one process for every device of the host
+    device = torch_xla.device()
+    (torch.ones(2, device=device) * 2).cpu()  # the runtime is up: part of the baseline
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):  # the model's code imported (transformers imports it lazily)
+        AutoModelForCausalLM.from_config(config)
+    base = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS now (Linux 4.0+): a forked child's peak is its own
+    largest = read = 0
+    if method == "a":
+        model = AutoModelForCausalLM.from_pretrained(folder).to(device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
+        got = stream_to_device(model, folder, mesh=device_mesh(("fsdp",)) if method == "c"
+                               else None)
+        largest, read = got.largest_bytes, got.bytes
+    torch_xla.sync()
+    xm.wait_device_ops()
+    peak = _status_kib("VmHWM")  # before the count below copies shards out
+    held = [0] * xr.global_runtime_device_count()
+    for t in [*model.parameters(), *model.buffers()]:
+        if method != "c":
+            held[0] += t.nbytes
+            continue
         for s in xs.XLAShardedTensor(t).local_shards:
             held[int(s.shard_device.split(":")[-1])] += s.data.nbytes
-    else:
-        held[0] += t.nbytes
-print("RESULT " + json.dumps({"base": base, "peak": peak, "model": parameter_bytes(model),
-                              "largest": largest, "read": read, "held": held}))
-"""
+    return {"base": base * 1024, "peak": peak * 1024, "model": parameter_bytes(model),
+            "largest": largest, "read": read, "held": held}
 
 
-def measure_loading(methods: str, folder: str | Path, devices: int = 8) -> list[dict[str, Any]]:
-    """Each way of loading (keys of ``METHODS``) in a fresh Python of its own on XLA:CPU, all at
-    once (each peak is its own process's; ``c``: SPMD over ``devices`` virtual devices): peak
-    host MiB above the baseline, MiB the devices hold, and the host's beyond them."""
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _forked(method: str, folder: str, devices: int, conn) -> None:
+    try:
+        conn.send((0, _measure(method, folder, devices)))
+    except BaseException:  # noqa: BLE001  (the parent raises it, with the child's traceback)
+        conn.send((1, traceback.format_exc()))
+    finally:
+        conn.close()
+        os._exit(0)  # no atexit handlers or runtime teardown of the parent's copies
+
+
+def can_fork() -> bool:
+    """Forking this process for a measurement is safe: Linux, and torch_xla's runtime not yet
+    started here (a started PJRT client's threads do not survive a fork). The check is torch_xla's
+    private ``_XLAC._xla_runtime_is_initialized`` (as its own ``runtime.use_spmd`` uses it)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import torch_xla
+
+    return not torch_xla._XLAC._xla_runtime_is_initialized()
+
+
+def measure_loading(methods: str, folder: str | Path, devices: int = 8,
+                    fork: bool | None = None) -> list[dict[str, Any]]:
+    """Each way of loading (keys of ``METHODS``) in a process of its own on XLA:CPU, all at once
+    (``c``: SPMD over ``devices`` virtual devices): peak host MiB above the baseline, MiB the
+    devices hold, and the host's beyond them. ``fork``: children forked from this process (its
+    imports shared: seconds, not a fresh ``import torch_xla`` each; default when
+    :func:`can_fork`), else each a fresh Python (the benchmark's way)."""
+    if fork is None:
+        fork = can_fork()
+    if fork:
+        ctx, results = multiprocessing.get_context("fork"), {}
+        pipes = {m: ctx.Pipe(duplex=False) for m in methods}
+        procs = [ctx.Process(target=_forked, args=(m, str(folder), devices, pipes[m][1]))
+                 for m in methods]
+        for proc in procs:
+            proc.start()
+        for m, (recv, send) in pipes.items():
+            send.close()
+            code, got = recv.recv() if recv.poll(600) else (1, "no answer in 600 s")
+            results[m] = (None, got, code) if code else (got, "", 0)
+        for proc in procs:
+            proc.join()
+        return [_loading_row(m, *results[m]) for m in methods]
     env = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "XLA_FLAGS") if k in os.environ}
-    env |= {"PYTHONPATH": str(REPO), "PJRT_DEVICE": "CPU", "TORCH_WARM_POOL": "0",
-            "TF_CPP_MIN_LOG_LEVEL": "2"}
-    procs = {m: subprocess.Popen(
-        [sys.executable, "-c", CHILD, m, str(folder), str(devices)], cwd=REPO, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=env | {"CPU_NUM_DEVICES": str(devices if m == "c" else 1)}) for m in methods}
-    return [_loading_row(m, *proc.communicate(timeout=600), proc.returncode)
-            for m, proc in procs.items()]
+    env |= {"PYTHONPATH": str(REPO), "TORCH_WARM_POOL": "0"}
+    code = "import json, sys; from course.finetune import _measure; print('RESULT ' + " \
+           "json.dumps(_measure(sys.argv[1], sys.argv[2], int(sys.argv[3]))))"
+    procs = {m: subprocess.Popen([sys.executable, "-c", code, m, str(folder), str(devices)],
+                                 cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, env=env) for m in methods}
+    rows = []
+    for m, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        got = json.loads(out.split("RESULT ")[-1]) if proc.returncode == 0 else None
+        rows.append(_loading_row(m, got, err, proc.returncode))
+    return rows
 
 
-def _loading_row(method: str, out: str, err: str, code: int) -> dict[str, Any]:
+def _loading_row(method: str, r: dict | None, err: str, code: int) -> dict[str, Any]:
     if code != 0:
         raise RuntimeError(f"loading method {method} failed:\n{err[-3000:]}")
-    r = json.loads(out.split("RESULT ")[-1])
     added, device = (r["peak"] - r["base"]) / MIB, sum(r["held"]) / MIB
     return {"key": method, "method": METHODS[method], "peak_added_mib": round(added, 1),
             "device_mib": round(device, 1), "per_device_mib": round(max(r["held"]) / MIB, 2),

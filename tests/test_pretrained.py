@@ -144,3 +144,13 @@ def test_training_bytes_are_the_bytes_on_the_device_after_a_step(tmp_path, dtype
     assert all(t.device.type == "xla" for state in optimizer.state.values()
                for k, t in state.items() if k != "step")
     assert training_bytes(10, 2, shards=4) == type(formula)(10, 2, 4)  # 40/4, 8/4, 16/4 bytes
+
+
+def test_loading_is_measured_in_fresh_processes_once_the_runtime_started():
+    """Notebook 14 forks its measuring children from the kernel (before the kernel uses its
+    device: the notebook runs that path); a started runtime's threads would not survive a fork,
+    so then ``measure_loading`` starts fresh Pythons (the benchmark's path, above)."""
+    from course.finetune import can_fork
+
+    (torch.ones(2, device=torch_xla.device()) * 2).cpu()
+    assert not can_fork()
