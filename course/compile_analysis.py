@@ -12,7 +12,8 @@ course shows on top of it:
 * :func:`track_with_analysis`: :func:`tpu_helpers.metrics.track` whose
   ``LimitExceeded`` also names each compile's cause and frame, and whose result holds the
   block's metrics table (``t.details["report"]``) and causes (``t.details["compile_causes"]``).
-* :func:`measure_steps` / :class:`StepCost`: a step's cost after warm-up (notebook 05's table).
+* :func:`measure_steps` / :class:`StepCost`: a step's cost after warm-up; :func:`pitfall_table`:
+  notebook 05's table of them.
 * :func:`run_python`: a fresh Python process (notebook 05's ``PT_XLA_DEBUG_LEVEL=2`` and
   compile-cache children: settings a running process can no longer change).
 """
@@ -298,6 +299,17 @@ def measure_steps(step: Callable[..., object], batches: Sequence[Sequence[Any]],
     return StepCost(steps=len(batches) - warmup, seconds=seconds, warmup_seconds=warm,
                     counts=t.counts, fallback_ops=t.fallback_ops)
 
+
+#: The four counts of notebook 05's pitfall table, in column order (``StepCost.row``'s keys).
+PITFALL_COUNTS = ["compiles after warm-up", "executions/step", "device-to-host/step",
+                  "CPU fallbacks/step"]
+
+
+def pitfall_table(results: dict[tuple[str, str], StepCost]) -> pd.DataFrame:
+    """Notebook 05's table: one row per ``(pitfall, version)`` key of ``results`` (version
+    ``"pitfall"`` or ``"fixed"``), the columns of :meth:`StepCost.row` but the warm-up time."""
+    table = pd.DataFrame({key: cost.row() for key, cost in results.items()}).T
+    return table.drop(columns="warm-up ms").rename_axis(["pitfall", "version"])
 
 # --------------------------------------------------------------------------- child processes
 
