@@ -9,13 +9,16 @@
   methods overridden), so it lives here and not in the toolkit a TPU user copies.
 * :func:`lightning_processes`, :func:`lightning_devices_table`, :func:`describe_choice`.
 * :class:`LitDigits`: :class:`course.models.DigitsCNN` as a LightningModule, the class
-  notebook 06 writes in its ``#@save`` cell and trains.
+  notebook 06 writes in two ``#@save`` cells (:class:`LitDigitsBase`, then the logged steps)
+  and trains.
 * :class:`DigitsData`: the LightningDataModule notebook 06 writes in its ``#@save`` cell: a
   training loader whose own ``DistributedSampler(drop_last=True)`` is built in each process
   (Lightning keeps a sampler that already is a ``DistributedSampler``), so no sample repeats.
 * :class:`XLACountsCallback`: compiles, transfers and ``strategy.reduce`` calls per epoch
   and per step, written per rank to a file (:func:`read_counts`): with several processes
   the callback object in the notebook is not the one that ran.
+* :func:`shard_table`, :func:`plot_compiles_per_epoch`, :func:`transfers_table`: notebook 06's
+  sampler table, compile chart and logging-cost table, kept out of its cells.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -139,16 +142,10 @@ def lightning_devices_table() -> pd.DataFrame:
 # --------------------------------------------------------------------------- the model
 
 
-class LitDigits(L.LightningModule):
-    """:class:`course.models.DigitsCNN` as a LightningModule (batches are ``(x, y, ...)``).
-
-    Notebook 06 writes this class in a cell marked ``#@save course/lightning_demo.py`` and
-    trains it; ``tests/test_cells_match_toolkit.py`` keeps the two equal. ``loss_logging``:
-    ``"epoch"`` (``on_step=False, on_epoch=True, sync_dist=True``: reduced once per epoch, no
-    host sync per step), ``"logger"`` (also the per-step loss for the logger only, read every
-    ``log_every_n_steps``) or ``"prog_bar"`` (the common ``on_step=True, prog_bar=True,
-    sync_dist=True``: a device-to-host transfer after every step and, on several devices, a
-    reduce at every ``self.log`` call).
+class LitDigitsBase(L.LightningModule):
+    """:class:`course.models.DigitsCNN` as a LightningModule: the model, its AdamW optimizer
+    and its predictions (batches are ``(x, y, ...)``); :class:`LitDigits` adds the training
+    and validation steps. ``loss_logging`` is checked and saved with the other hyperparameters.
     """
 
     def __init__(self, lr=3e-3, weight_decay=1e-4, loss_logging="epoch"):
@@ -160,6 +157,27 @@ class LitDigits(L.LightningModule):
 
     def forward(self, x):
         return self.model(x)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
+                                 weight_decay=self.hparams.weight_decay)
+
+
+class LitDigits(LitDigitsBase):
+    """:class:`LitDigitsBase` with its training and validation steps, the loss logged as
+    ``loss_logging`` says.
+
+    Notebook 06 writes both classes in cells marked ``#@save course/lightning_demo.py`` and
+    trains this one; ``tests/test_cells_match_toolkit.py`` keeps them equal. ``loss_logging``:
+    ``"epoch"`` (``on_step=False, on_epoch=True, sync_dist=True``: reduced once per epoch, no
+    host sync per step), ``"logger"`` (also the per-step loss for the logger only, read every
+    ``log_every_n_steps``) or ``"prog_bar"`` (the common ``on_step=True, prog_bar=True,
+    sync_dist=True``: a device-to-host transfer after every step and, on several devices, a
+    reduce at every ``self.log`` call).
+    """
 
     def training_step(self, batch, batch_idx):
         loss = F.cross_entropy(self(batch[0]), batch[1])
@@ -175,13 +193,6 @@ class LitDigits(L.LightningModule):
         self.log("val_loss", F.cross_entropy(logits, batch[1]), sync_dist=True)
         accuracy = (logits.argmax(dim=1) == batch[1]).float().mean()
         self.log("val_acc", accuracy, prog_bar=True, sync_dist=True)
-
-    def predict_step(self, batch, batch_idx):
-        return self(batch[0])
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
-                                 weight_decay=self.hparams.weight_decay)
 
 
 class DigitsData(L.LightningDataModule):
@@ -313,3 +324,42 @@ def read_counts(out_dir: str | Path) -> dict[int, XLACountsCallback]:
         counts.step_transfers_from_device = record["step_transfers_from_device"]
         ranks[int(record["rank"])] = counts
     return ranks
+
+
+# --------------------------------------------------------------------------- notebook 06's tables
+
+
+def shard_table(samplers: Mapping[str, Callable[[int], Any]], world: int) -> pd.DataFrame:
+    """What each sampler gives ``world`` processes in one epoch (``samplers[name](rank)`` builds
+    rank ``rank``'s): the distinct rows per process, the samples seen twice and those left out."""
+    rows = {}
+    for name, make in samplers.items():
+        shards = [list(make(r)) for r in range(world)]
+        seen, n = sum(shards, []), len(make(0).dataset)
+        rows[name] = {"rows per process": sorted({len(s) for s in shards}),
+                      "repeated": len(seen) - len(set(seen)), "left out": n - len(set(seen))}
+    return pd.DataFrame(rows).T
+
+
+def plot_compiles_per_epoch(compiles: pd.Series) -> None:
+    """A bar per epoch of XLA compiles (``XLACountsCallback.frame()["compiles"]``), epoch 0's
+    in orange, titled with what the run shows."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    first, later = int(compiles.iloc[0]), compiles.iloc[1:].astype(int).tolist()
+    fig, ax = plt.subplots(figsize=(6, 2.8))
+    ax.bar(compiles.index, compiles, color=["tab:orange"] + ["tab:blue"] * len(later))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="epoch", ylabel="XLA compiles (rank 0)",
+           title=f"XLA compiles per epoch: {first} in epoch 0, then {', '.join(map(str, later))}")
+    plt.tight_layout()
+    plt.show()
+
+
+def transfers_table(runs: Mapping[tuple[str, int], list[int]]) -> pd.DataFrame:
+    """Per ``(loss_logging, refresh_rate)`` run, its steps and device-to-host transfers per step
+    (each run's ``XLACountsCallback.step_transfers_from_device``)."""
+    rows = {key: {"steps": len(t), "transfers/step": sum(t) / len(t)} for key, t in runs.items()}
+    return pd.DataFrame(rows).T.rename_axis(["loss_logging", "refresh_rate"])
