@@ -1,4 +1,4 @@
-"""Notebook 13's script (``submit.py``, written by its ``%%writefile`` cell) is the notebook's
+"""Notebook 13's script (``submit.py``, written by its ``%%writefile`` cells) is the notebook's
 own lessons put together: its ``DigitsCSV``, ``DigitsNet`` and hooks are the cells' definitions
 (the same AST), and it imports only toolkit files, never the course, each with the siblings the
 notebook copies beside it. The notebook itself runs the script (nbmake, both lines)."""
@@ -24,8 +24,13 @@ def _cells() -> list[str]:
 
 
 def _script() -> str:
-    (cell,) = [c for c in _cells() if c.startswith("%%writefile {PROJECT}/submit.py")]
-    return cell.split("\n", 1)[1]
+    """submit.py as the notebook writes it: one ``%%writefile`` cell, then ``%%writefile -a``."""
+    (first,) = [c for c in _cells() if c.startswith("%%writefile {PROJECT}/submit.py\n")]
+    parts = [c.split("\n", 1)[1] for c in _cells()
+             if c.startswith(("%%writefile {PROJECT}/submit.py\n",
+                              "%%writefile -a {PROJECT}/submit.py\n"))]
+    assert parts[0] == first.split("\n", 1)[1]  # written first, then appended to
+    return "\n".join(parts) + "\n"
 
 
 def _definitions(source: str) -> dict[str, str]:
