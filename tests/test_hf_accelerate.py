@@ -42,12 +42,20 @@ def cell(cell_id: str) -> str:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    """The notebook's script (cell nb12-acc-02, without its ``%%writefile`` line) in a folder."""
+    """The notebook's script in a folder: cell nb12-acc-02 (``%%writefile``) and the cells that
+    append to it (``%%writefile -a``), in order, without their magic lines."""
     path = tmp_path_factory.mktemp("acc")
-    first, body = cell("nb12-acc-02").split("\n", 1)
-    assert first.startswith("%%writefile") and first.endswith("/acc_gpt2.py")
-    (path / "acc_gpt2.py").write_text(body)
+    assert cell("nb12-acc-02").startswith("%%writefile {RUN_DIR}/acc_gpt2.py\n")
+    (path / "acc_gpt2.py").write_text(acc_script())
     return path
+
+
+def acc_script() -> str:
+    """The script the notebook writes with %%writefile (and %%writefile -a), in order."""
+    nb = json.loads(NOTEBOOK.read_text())
+    parts = ["".join(c["source"]).partition("\n") for c in nb["cells"] if c["cell_type"] == "code"]
+    return "\n".join(body for head, _, body in parts if head.startswith("%%writefile")
+                     and head.endswith("/acc_gpt2.py")) + "\n"
 
 
 def _env(**extra) -> dict[str, str]:
@@ -190,8 +198,10 @@ def test_prepare_model_wraps_in_mp_model_wrapper_when_launched():
 
 # ------------------------------------------------------------ the Trainer on every chip (section 2)
 
-#: Section 2's cells: the imports, ``labelled``, ``build_trainer`` and ``train_and_predict``.
-EVERY_CHIP_CELLS = ("nb12-all-01", "nb12-all-02", "nb12-all-05")
+#: Section 2's cells: the imports, ``labelled``, ``build_trainer``, ``report`` and
+#: ``train_and_predict``.
+EVERY_CHIP_CELLS = ("nb12-all-01", "nb12-all-labelled", "nb12-all-02", "nb12-all-report",
+                    "nb12-all-05")
 
 
 def every_chip_source() -> str:
