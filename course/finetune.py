@@ -31,7 +31,7 @@ METHODS = {"a": "(a) from_pretrained on the CPU, then .to(device)",
 HBM = {"v5e": 16 * GB, "v6e": 32 * GB}
 
 #: config.json values of real models (architecture, fields, parameters the model card states);
-#: sources in notebook 14's closing section. Counting is done by :func:`count_parameters`.
+#: sources: notebook 14, section 7. Counting is done by :func:`count_parameters`.
 HUB_MODELS = {
     "Qwen/Qwen2.5-0.5B": ("qwen2", dict(hidden_size=896, num_hidden_layers=24,
                           num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
@@ -293,3 +293,49 @@ def fits_table(names=tuple(HUB_MODELS), tokens: int = 2048, rank: int = 16, chip
 
 def _plus(a, b):
     return type(a)(a.weights + b.weights, a.gradients + b.gradients, a.optimizer + b.optimizer)
+
+
+def optimization_barriers(model) -> int:
+    """Optimization barriers in the graph of ``model``'s gradients (nothing runs): call it after
+    ``backward()``, before the step; 0 without torch_xla's activation checkpointing."""
+    from tpu_helpers.metrics import hlo_text
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return hlo_text(grads).count("opt-barrier")
+
+
+def held_bytes(model) -> list[int]:
+    """Bytes of ``model``'s parameters each device holds, read from their shards (SPMD)."""
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    held = [0] * xr.global_runtime_device_count()
+    for p in model.parameters():
+        for shard in xs.XLAShardedTensor(p).local_shards:
+            held[int(shard.shard_device.split(":")[-1])] += shard.data.nbytes
+    return held
+
+
+def write_run(out: str | Path, model, losses, compiled: list[int], barriers: int) -> None:
+    """Notebook 14's script's results as JSON: loss and compiles per step (``compiled``: the
+    compile count before each step, then at the end), ``barriers``, the bytes of weights each
+    device holds, all weights' bytes and the trainable parameters."""
+    params = list(model.parameters())
+    Path(out).write_text(json.dumps({
+        "losses": [round(x.item(), 4) for x in losses],
+        "compiles": [b - a for a, b in zip(compiled, compiled[1:], strict=False)],
+        "barriers": barriers, "held": held_bytes(model), "weights": sum(p.nbytes for p in params),
+        "trainable": sum(p.numel() for p in params if p.requires_grad)}))
+
+
+def plot_fits(table, name: str, title: str):
+    """``name``'s rows of :func:`fits_table` as stacked bars of GB per chip, each chip's HBM a
+    line; returns those rows indexed by setup (show the figure with ``plt.show()``)."""
+    rows = table[table["model"] == name].set_index("setup")
+    ax = rows[["weights", "grads + optimizer", "activations, checkpointed"]].plot.barh(
+        stacked=True, figsize=(7, 2.6))
+    for (chip, hbm), style in zip(HBM.items(), ("--", ":"), strict=True):
+        ax.axvline(hbm / GB, color="k", ls=style, label=f"{chip}: {hbm // GB} GB")
+    ax.set(title=title, xlabel="GB per chip (expected, not yet run on a TPU)")
+    ax.legend(loc="lower right")
+    return rows
