@@ -1,25 +1,30 @@
-"""The course's text, checked: TPU claims carry their label, references resolve, evidence
-stays in each notebook's closing section.
+"""The course's text, checked: TPU claims say where they come from, references resolve,
+evidence stays in each notebook's closing section.
 
 Three rules of the course, each a function here and a test in ``tests/test_course_text.py``:
 
-1. **Every sentence about a TPU says where it comes from.** A sentence (markdown sentence, list
-   item, table row, or code comment) that mentions a TPU carries one of three labels:
-   ``[source: <release> <file or document>]`` (read from source), ``[emulated: <lane>]``
-   (measured here under an emulation: XLA:CPU, the TPU-numerics lane, the jax lane, virtual
-   devices, gloo processes) or ``[expected]`` (expected, not yet run on a TPU). Sentences that
-   mention a TPU but claim nothing (instructions, questions) are listed verbatim, by their
-   start, in ``tests/data/tpu_not_claims/<notebook stem>.txt``.
+1. **Every sentence about a TPU says where it comes from**, in one of two ways:
+   - read from source: a numbered marker, ``[[N]](#sources)`` in markdown (``[N]`` in a code
+     comment), whose entry ``N. <release, file or document>`` is in the notebook's (or page's)
+     ``### Sources`` list, in the closing section. Each entry is cited, numbered 1, 2, ... once
+     per source, and names a release, file or document outside this repository (the course's
+     own code is not evidence about a TPU);
+   - measured here under an emulation, or expected on a TPU: one callout for the section (the
+     text from its ``##`` heading to the next), a line ``> **On a TPU:** ...`` that says
+     "expected" or names the emulation (XLA:CPU, TPU-numerics, jax, virtual devices, gloo).
+   Sentences that mention a TPU but claim nothing (instructions, questions) are listed verbatim,
+   by their start, in ``tests/data/tpu_not_claims/<notebook stem>.txt``. The old inline labels
+   (``[source: ...]``, ``[emulated: ...]``, ``[expected]``) are refused everywhere.
 2. **Every cross-reference resolves**: ``notebook NN``, ``notebook NN, section K``, a bare
    ``section K`` (this notebook), links to ``NN_name.ipynb#anchor``, ``#anchor``,
-   ``../README.md#anchor`` and relative files; in the READMEs too.
+   ``../README.md#anchor`` and relative files; in the READMEs too, and their markers.
 3. **Lessons first, evidence behind**: mentions of ``tests/``, a "lane" or an "emulation gap"
    appear only in the closing ``## How this notebook is checked`` section.
 
 Command line::
 
-    python scripts/course_text.py claims notebooks/09_*.ipynb   # each TPU sentence, labelled or not
-    python scripts/course_text.py counts notebooks              # labels per notebook (a table)
+    python scripts/course_text.py claims notebooks/09_*.ipynb   # each TPU sentence, covered or not
+    python scripts/course_text.py counts notebooks              # markers and callouts per notebook
     python scripts/course_text.py refs notebooks README.md      # every reference, resolved or not
     python scripts/course_text.py check notebooks README.md     # exit 1 on any problem
 """
@@ -38,12 +43,20 @@ CHECKED_HEADING = "How this notebook is checked"
 
 #: Words that make a sentence one "about a TPU".
 TPU_WORDS = re.compile(r"\bTPUs?\b|\bv5e\b|\bv6e\b|\bv[234]-8\b|\blibtpu\b|\bPallas\b|\bMXU\b")
-LABEL = re.compile(r"\[(source|emulated|expected)(?::\s*([^\]]*))?\]")
-#: What an ``[emulated: ...]`` label must name.
-LANES = re.compile(r"XLA:CPU|TPU-numerics|jax lane|virtual devices?|gloo", re.I)
-#: What a ``[source: ...]`` label must name: a release/version, a file, or a document.
-SOURCE_WHERE = re.compile(r"\d+\.\d+|v\d|\.(py|md|cpp|h|cc|txt|toml)\b|guide|docs?\b|README|"
-                          r"Dockerfile|freeze|issue|PR \d|RFC|tutorial", re.I)
+#: The inline labels of old, refused: a marker or the section's callout instead.
+OLD_LABEL = re.compile(r"\[(source|emulated|expected)(?::\s*([^\]]*))?\]")
+MARKER = re.compile(r"\[\[(\d+)\]\]\(#sources\)")  #: in markdown
+COMMENT_MARKER = re.compile(r"(?<!\S)\[(\d+)\]")  #: in a code comment (not x[0])
+CALLOUT = re.compile(r"^>\s*\*\*On a TPU:\*\*\s*(.*)$", re.M)
+SOURCES_HEADING = re.compile(r"^#{2,3}\s+Sources\s*$", re.M)
+ENTRY = re.compile(r"^(\d+)\.\s+(.+)$")
+#: What a callout must name: "expected", or the emulation it was measured under.
+LANES = re.compile(r"XLA:CPU|TPU-numerics|\bjax\b|virtual devices?|gloo", re.I)
+#: The course's own files: not evidence about a TPU.
+SELF = re.compile(r"^`?(tpu_helpers|course|tests|scripts|benchmarks|notebooks|examples)/", re.I)
+#: What a Sources entry must name: a release/version, a file, or a document.
+SOURCE_WHERE = re.compile(r"\d+\.\d+|v\d|\.(py|md|cpp|h|cc|txt|toml|in|json|yaml)\b|guide|"
+                          r"docs?\b|README|Dockerfile|freeze|issue|PR \d|RFC|tutorial", re.I)
 EVIDENCE_WORDS = re.compile(r"tests/|\blanes?\b|emulation gap", re.I)
 
 
@@ -55,8 +68,9 @@ class Sentence:
     cell: int          # 1-based cell number
     where: str         # "markdown" or "comment"
     text: str
-    label: str | None  # "source" | "emulated" | "expected" | None
-    problem: str = ""  # a label whose content names no source/lane
+    label: str | None  # "marker" | "callout" (its section's) | None
+    problem: str = ""  # an old-style label
+    markers: tuple[int, ...] = ()
 
 
 def _cells(path: Path) -> list[dict]:
@@ -103,7 +117,8 @@ def _sentences(paragraph: str) -> list[str]:
     parts = [p.replace("\0", " ") for p in re.split(r"(?<=[.!?])\s+(?=[A-Z`*_(\"\[])", masked)]
     out: list[str] = []
     for p in parts:
-        if out and LABEL.fullmatch(p.strip().rstrip(".")):
+        if out and (OLD_LABEL.fullmatch(p.strip().rstrip(".")) or re.fullmatch(
+                r"(\[\[\d+\]\]\(#sources\))+", p.strip().rstrip("."))):
             out[-1] += " " + p
         else:
             out.append(p)
@@ -130,40 +145,111 @@ def _comment_units(code: str) -> list[str]:
     return units
 
 
-def label_of(text: str) -> tuple[str | None, str]:
-    """The label a unit carries (or None) and what is wrong with it ('' if nothing)."""
-    m = LABEL.search(text)
+def label_of(text: str, comment: bool = False) -> tuple[str | None, str, tuple[int, ...]]:
+    """The marker a unit carries (or None), what is wrong with it ('' if nothing), its numbers."""
+    if m := OLD_LABEL.search(text):
+        return None, (f"old-style label {m.group(0)[:60]!r}: a numbered marker [[N]](#sources) "
+                      "or the section's '> **On a TPU:**' callout instead"), ()
+    nums = tuple(int(n) for n in (COMMENT_MARKER if comment else MARKER).findall(text))
+    return ("marker" if nums else None), "", nums
+
+
+def sources(text: str) -> dict[int, str]:
+    """The numbered entries of the ``Sources`` list in a notebook's or page's markdown."""
+    m = SOURCES_HEADING.search(text)
     if not m:
-        return None, ""
-    kind, what = m.group(1), (m.group(2) or "").strip()
-    if kind == "source" and not SOURCE_WHERE.search(what):
-        return kind, f"[source: {what}] names no release, file or document"
-    if kind == "emulated" and not LANES.search(what):
-        return kind, f"[emulated: {what}] names no lane (XLA:CPU, TPU-numerics lane, jax lane, ...)"
-    return kind, ""
+        return {}
+    out: dict[int, str] = {}
+    for line in text[m.end():].splitlines():
+        if re.match(r"^#{1,3}\s", line):
+            break
+        if e := ENTRY.match(line.strip()):
+            out[int(e.group(1))] = e.group(2).strip()
+    return out
+
+
+def _markdown_of(path: Path) -> str:
+    return "\n".join(_src(c) for c in _cells(path) if c.get("cell_type") == "markdown")
 
 
 def tpu_sentences(path: str | Path) -> list[Sentence]:
-    """Every unit of a notebook that mentions a TPU (the setup cell is the template's)."""
+    """Every unit of a notebook's lessons that mentions a TPU (not the setup cell, the template's;
+    not the closing section, which says where each claim was checked), with its marker, or its
+    section's callout."""
     path = Path(path)
     out: list[Sentence] = []
-    code_seen = 0
-    for i, cell in enumerate(_cells(path), 1):
+    code_seen, section, covered = 0, 0, set()
+    for cell in _cells(path):
         src = _src(cell)
         if cell.get("cell_type") == "markdown":
-            units, where = _markdown_units(src), "markdown"
+            for line in src.splitlines():  # callouts count from the cell of their section
+                section += bool(re.match(r"^##\s", line))
+                if (c := CALLOUT.match(line)) and ("expected" in c.group(1).lower()
+                                                   or LANES.search(c.group(1))):
+                    covered.add(section)
+    code_seen = section = 0
+    for i, cell in enumerate(_cells(path), 1):
+        src = _src(cell)
+        if closing := re.search(rf"^#+\s+{CHECKED_HEADING}", src, re.M):
+            src = src[:closing.start()]  # the closing section is the evidence: not claims
+        if cell.get("cell_type") == "markdown":
+            units, where = [], "markdown"
+            for chunk in re.split(r"(?m)^(?=##\s)", src):  # a cell may open a section midway
+                section += bool(re.match(r"##\s", chunk))
+                units += [(u, section) for u in _markdown_units(CALLOUT.sub("", chunk))]
         elif cell.get("cell_type") == "code":
             code_seen += 1
             if code_seen == 1:
                 continue  # the canonical setup cell, rendered by scripts/notebook_template.py
-            units, where = _comment_units(src), "comment"
+            units, where = [(u, section) for u in _comment_units(src)], "comment"
         else:
             continue
-        for u in units:
-            if TPU_WORDS.search(LABEL.sub("", u)):
-                kind, problem = label_of(u)
-                out.append(Sentence(path.name, i, where, u.strip(), kind, problem))
+        for u, sec in units:
+            bare = MARKER.sub("", OLD_LABEL.sub("", u))
+            if TPU_WORDS.search(bare if where == "markdown" else COMMENT_MARKER.sub("", bare)):
+                kind, problem, nums = label_of(u, comment=where == "comment")
+                kind = kind or ("callout" if sec in covered and not problem else None)
+                out.append(Sentence(path.name, i, where, u.strip(), kind, problem, nums))
+        if closing:
+            break
     return out
+
+
+def marker_problems(path: str | Path) -> list[str]:
+    """Markers without an entry, entries never cited, numbering, entries naming nothing or the
+    course's own code, old-style labels (notebooks: markdown and comments; pages: the text), and
+    callouts that name neither "expected" nor an emulation."""
+    path = Path(path)
+    if path.suffix == ".ipynb":
+        text = _markdown_of(path)
+        comments = "\n".join(u for c in _cells(path) if c.get("cell_type") == "code"
+                             for u in _comment_units(_src(c)))
+    else:
+        text, comments = path.read_text(encoding="utf-8"), ""
+    body = re.sub(r"```.*?```", "", text, flags=re.S)
+    cited = [int(n) for n in MARKER.findall(body)] + [int(n) for n in
+                                                      COMMENT_MARKER.findall(comments)]
+    entries, name, problems = sources(body), path.name, []
+    problems += [f"{name}: marker [{n}] has no entry in the Sources list" for n in
+                 sorted(set(cited) - set(entries))]
+    problems += [f"{name}: Sources entry {n} is never cited" for n in sorted(set(entries) -
+                                                                            set(cited))]
+    if list(entries) != list(range(1, len(entries) + 1)):
+        problems.append(f"{name}: Sources entries are not numbered 1..{len(entries)} in order")
+    if len(set(entries.values())) != len(entries):
+        problems.append(f"{name}: a source is listed twice")
+    for n, e in entries.items():
+        if SELF.search(e):
+            problems.append(f"{name}: Sources entry {n} cites the course's own code: {e!r}")
+        elif not SOURCE_WHERE.search(e):
+            problems.append(f"{name}: Sources entry {n} names no release, file or document: {e!r}")
+    for m in OLD_LABEL.finditer(body + "\n" + comments):
+        problems.append(f"{name}: old-style label {m.group(0)[:60]!r}")
+    for c in CALLOUT.finditer(body):
+        if "expected" not in c.group(1).lower() and not LANES.search(c.group(1)):
+            problems.append(f"{name}: a callout names neither 'expected' nor an emulation: "
+                            f"{c.group(0)[:100]!r}")
+    return problems
 
 
 def not_claims(path: str | Path) -> list[str]:
@@ -185,8 +271,8 @@ def claim_problems(path: str | Path) -> list[str]:
         if s.problem:
             problems.append(f"{s.notebook} cell {s.cell}: {s.problem}: {s.text[:120]!r}")
         elif s.label is None and start is None:
-            problems.append(f"{s.notebook} cell {s.cell} ({s.where}): unlabelled TPU sentence: "
-                            f"{s.text[:160]!r}")
+            problems.append(f"{s.notebook} cell {s.cell} ({s.where}): TPU sentence without a "
+                            f"marker or its section's callout: {s.text[:160]!r}")
         if start is not None:
             used.add(start)
     problems += [f"{Path(path).name}: not-a-claim entry matches no sentence: {n!r}"
@@ -195,8 +281,11 @@ def claim_problems(path: str | Path) -> list[str]:
 
 
 def counts(path: str | Path) -> dict[str, int]:
-    """Labels per kind, and the listed non-claims, for one notebook."""
-    c = {"source": 0, "emulated": 0, "expected": 0, "not a claim": 0, "unlabelled": 0}
+    """TPU sentences per kind (a marker, its section's callout), the listed non-claims, and the
+    unsourced, for one notebook; and its Sources entries and callouts."""
+    c = {"marker": 0, "callout": 0, "not a claim": 0, "unlabelled": 0,
+         "sources": len(sources(_markdown_of(Path(path)))),
+         "callouts": len(CALLOUT.findall(_markdown_of(Path(path))))}
     listed = not_claims(path)
     for s in tpu_sentences(path):
         if s.label:
@@ -308,7 +397,7 @@ def evidence_problems(path: str | Path) -> list[str]:
     for i, cell in enumerate(_cells(path), 1):
         if cell.get("cell_type") != "markdown":
             continue
-        src = LABEL.sub("", _src(cell))  # a label names its lane; that is not evidence talk
+        src = CALLOUT.sub("", _src(cell))  # a callout names its emulation: not evidence talk
         if re.search(rf"^#+\s+{CHECKED_HEADING}", src, re.M):
             in_checked = True
         if not in_checked and (m := EVIDENCE_WORDS.search(src)):
@@ -350,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{p}: {ref!r} {'-> ' + problem if problem else 'ok'}")
         elif cmd == "check":
             problems = [f"{p}: {r!r}: {why}" for r, why in references(p) if why]
+            problems += marker_problems(p)
             if p.suffix == ".ipynb":
                 problems += claim_problems(p) + evidence_problems(p)
             for line in problems:
