@@ -23,7 +23,8 @@ step (``xm.wait_device_ops()``) is the timed window. Reported: host milliseconds
 window (wall and this process's CPU time), its ratio to (c), compiles in warm-up and after
 it, and device-to-host transfers and graph executions per step after warm-up (all from
 ``torch_xla.debug.metrics``). On a TPU a step of a model this small takes far less device
-time than host time, so host milliseconds per step are its throughput [expected].
+time than host time, so host milliseconds per step are its throughput (expected, not yet
+run on a TPU).
 """
 
 from __future__ import annotations

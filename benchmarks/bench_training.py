@@ -58,7 +58,7 @@ traced there), from ``/proc/self/task/*/schedstat``. XLA:CPU executes compiled g
 other threads, which it leaves out (tests/test_metrics_benchmarks.py: 1,000 times the
 device work, the same host time), as it leaves out ``MpDeviceLoader``'s threads, which work
 beside the step. On a TPU the device step of this model is far shorter than the host's
-tracing, so host ms/step is what bounds steps/s there [expected].
+tracing, so host ms/step is what bounds steps/s there (expected, not yet run on a TPU).
 
   (f) and (g): (e') plus ours' per-step seed and totals, the step under
       ``torch_xla.compile`` (the lazy tracer between two syncs; the seed is set inside, or the
