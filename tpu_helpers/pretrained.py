@@ -154,8 +154,9 @@ def stream_to_device(model: torch.nn.Module, folder: str | Path, *,
 
 
 def to_mesh(host: torch.Tensor, mesh: xs.Mesh, axis: str = "fsdp") -> torch.Tensor:
-    """``host`` on the SPMD device, dim 0 split over the mesh's ``axis`` (FSDPv2's layout,
-    ``_prepare_spmd_partition_spec``), each device sent only its own rows.
+    """``host`` on the SPMD device, dim 0 split over the mesh's ``axis``, each device sent only
+    its own rows. FSDPv2 keeps a parameter that is already sharded as it is; one it shards itself
+    it splits on its largest dimension (``_prepare_spmd_partition_spec(shard_maximal=True)``).
 
     ``xs.mark_sharding`` (public) would put the whole tensor on the device first and split it
     there, 2-3x the tensor at the peak; torch_xla's private ``_XLAC._global_tensor_from_cpu_shards``
