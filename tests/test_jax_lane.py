@@ -9,6 +9,7 @@ torch_xla and real jax. Those runs need the overlay, so they run inside the lane
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -98,6 +99,10 @@ def pytest_on(folder: Path, env: dict, *args: str) -> tuple[dict[str, str], str]
 
 @pytest.mark.skipif(not IN_LANE, reason="runs in the jax lane only (make test-jax): needs its "
                                         "overlay on PYTHONPATH")
+@pytest.mark.skipif(importlib.metadata.version("torch_xla").startswith("2.8"),
+                    reason="the lane's plugin is ours, the same on both lines: this self-test "
+                    "runs in the 2.9 platform run; the torchax failure it provokes is pinned on "
+                    "both lines by tests/test_jax_paths.py")
 def test_the_lane_fails_a_notebook_that_only_passes_without_jax(tmp_path):
     books = tmp_path / "books"
     books.mkdir()

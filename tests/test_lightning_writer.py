@@ -224,6 +224,9 @@ if __name__ == "__main__":
 """
 
 
+# One line: Lightning on the CPU accelerator over gloo takes no torch_xla path (the 2.8 line runs
+# notebook 06's XLA path in its platform run, and tests/test_lightning.py's both_lines tests).
+@pytest.mark.one_line
 @pytest.mark.slow
 def test_real_multiprocess_predict_with_gloo(tmp_path, repo):
     """3 real processes (Lightning DDP on CPU, gloo): the writer merges all ranks' rows."""
@@ -289,6 +292,9 @@ if __name__ == "__main__":
 """
 
 
+# One line: Lightning on the CPU accelerator over gloo takes no torch_xla path (the 2.8 line runs
+# notebook 06's XLA path in its platform run, and tests/test_lightning.py's both_lines tests).
+@pytest.mark.one_line
 @pytest.mark.slow
 def test_fewer_samples_than_8_real_processes(tmp_path):
     """5 samples on 8 ranks (a v5e-8): Lightning 2.6's predict sampler asserts a sample per
