@@ -24,6 +24,7 @@ from transformers import (
 from course.datasets import data_dir
 from course.text import split_speeches
 from tpu_helpers.metrics import metric_count
+from tpu_helpers.ordering import pad_eval_rows  # noqa: F401  (the toolkit's; was here)
 
 PAD = "<pad>"
 #: Label value the loss ignores (transformers' and PyTorch's cross-entropy default).
@@ -104,24 +105,6 @@ class XlaCounts(TrainerCallback):
 
 
 # ------------------------------------------------------------- exactly-once evaluation
-
-
-def pad_eval_rows(features: list[dict], *, per_replica_batch: int, world_size: int, width: int,
-                  pad_id: int) -> list[dict]:
-    """``features`` plus filler rows (every label ``IGNORE``) up to a multiple of the global
-    batch, ``per_replica_batch * world_size`` (``world_size``: the Trainer's
-    ``args.world_size``, accelerate's ``num_processes``; 1 in one process and under SPMD, where
-    ``per_replica_batch`` is the whole batch): every replica's every batch is full, so no loader
-    drops or repeats a sample, accelerate's ``gather_for_metrics`` has nothing to cut
-    (remainder 0), and the filler rows add nothing to a loss that counts only labelled tokens.
-    The filler rows are the last ones."""
-    if per_replica_batch < 1 or world_size < 1:
-        raise ValueError(f"per_replica_batch and world_size must be >= 1, got "
-                         f"{per_replica_batch} and {world_size}")
-    filler = {"input_ids": [pad_id] * width, "attention_mask": [0] * width,
-              "labels": [IGNORE] * width}
-    missing = -len(features) % (per_replica_batch * world_size)
-    return list(features) + [dict(filler) for _ in range(missing)]
 
 
 def per_row_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

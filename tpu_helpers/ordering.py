@@ -1,6 +1,8 @@
 """Every prediction exactly once, in dataset order: the pure part (numpy + stdlib only).
 
-Taught in notebook 04. Needs no sibling. Rank files carry outputs too big to gather.
+Taught in notebook 04. Needs no sibling. Rank files carry outputs too big to gather;
+``pad_eval_rows`` pads a Hugging Face evaluation set so no loader drops or repeats a row
+(notebooks 11 and 12).
 """
 
 from __future__ import annotations
@@ -165,3 +167,24 @@ def merge_rank_files(folder: str | Path, world_size: int, n: int) -> Ordered:
         except PredictionError as exc:
             raise PredictionError(f"{path}: {exc}") from None
     return buffer.result()
+
+
+IGNORE_INDEX = -100  #: the label PyTorch's cross-entropy and Hugging Face models skip
+
+
+def pad_eval_rows(features: list[dict], *, per_replica_batch: int, world_size: int, width: int,
+                  pad_id: int, ignore_index: int = IGNORE_INDEX) -> list[dict]:
+    """``features`` (tokenized rows: ``input_ids``, ``attention_mask``, ``labels``) plus filler
+    rows, every label ``ignore_index``, up to a multiple of the global batch,
+    ``per_replica_batch * world_size`` (the Trainer's ``args.world_size``, accelerate's
+    ``num_processes``; 1 under SPMD, where ``per_replica_batch`` is the whole batch). Every
+    replica's every batch is then full: no loader drops or repeats a row, accelerate's
+    ``gather_for_metrics`` has nothing to cut, and the filler adds nothing to a loss over
+    labelled tokens. The filler rows are the last ones."""
+    if per_replica_batch < 1 or world_size < 1:
+        raise ValueError(f"per_replica_batch and world_size must be >= 1, got "
+                         f"{per_replica_batch} and {world_size}")
+    filler = {"input_ids": [pad_id] * width, "attention_mask": [0] * width,
+              "labels": [ignore_index] * width}
+    missing = -len(features) % (per_replica_batch * world_size)
+    return list(features) + [dict(filler) for _ in range(missing)]
