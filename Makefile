@@ -28,12 +28,8 @@ export TORCH_WARM_POOL := 0
 # per-cell timeout (nbmake); each notebook is budgeted 90 s in total (scripts/notebook_budget.py fails it)
 NB_TIMEOUT ?= 120
 # pytest workers (pytest-xdist, one test file per worker at a time): most tests wait on
-# subprocesses and imports, so 2 workers on 2 cores halve the wall time of `make test`.
-# A run of test files alone takes a third worker (TEST_JOBS): the 2.9 line's test files took
-# 638.6 s with 3 workers against 705.1 s with 2, on the same machine an hour apart (857 tests).
-# Notebooks keep 2 (their 90 s budgets are measured as two run side by side).
+# subprocesses and imports, so 2 workers on 2 cores halve the wall time of `make test`
 JOBS ?= 2
-TEST_JOBS ?= 3
 
 .PHONY: help setup lab test test-one lint unit notebooks run-notebooks bench strip template \
         wheel tpu-check clean test-tpu-numerics test-jax test-platforms test-lanes-one \
@@ -140,7 +136,7 @@ OPT0_FLAGS = $(if $(OPT0),XLA_FLAGS="$${XLA_FLAGS:+$$XLA_FLAGS }--xla_backend_op
 ITEMS ?= tests notebooks
 test-one: $(STAMP)
 	@echo "== torch_xla $$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("torch_xla"))') in $(VENV) =="
-	$(OPT0_FLAGS) $(BIN)/python -m pytest $(if $(filter notebooks,$(ITEMS)),$(XDIST),-n $(TEST_JOBS) --dist loadfile) $(ITEMS) --nbmake --nbmake-timeout=$(NB_TIMEOUT) -p no:cacheprovider --durations=15
+	$(OPT0_FLAGS) $(BIN)/python -m pytest $(XDIST) $(ITEMS) --nbmake --nbmake-timeout=$(NB_TIMEOUT) -p no:cacheprovider --durations=15
 
 # Two lanes, in any combination (LANES="jax numerics"), in one pytest run (test-lanes-one).
 # The TPU-numerics lane: XLA:CPU rounds the float32 inputs of each matmul/convolution to bfloat16
