@@ -97,7 +97,6 @@ def _measure(method: str, folder: str, devices: int) -> dict[str, Any]:
                    "CPU_NUM_DEVICES": str(devices if method == "c" else 1)}
     import torch_xla
     import torch_xla.core.xla_model as xm
-    import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -126,13 +125,7 @@ def _measure(method: str, folder: str, devices: int) -> dict[str, Any]:
     torch_xla.sync()
     xm.wait_device_ops()
     peak = _status_kib("VmHWM")  # before the count below copies shards out
-    held = [0] * xr.global_runtime_device_count()
-    for t in [*model.parameters(), *model.buffers()]:
-        if method != "c":
-            held[0] += t.nbytes
-            continue
-        for s in xs.XLAShardedTensor(t).local_shards:
-            held[int(s.shard_device.split(":")[-1])] += s.data.nbytes
+    held = held_bytes(model, buffers=True, sharded=method == "c")
     return {"base": base * 1024, "peak": peak * 1024, "model": parameter_bytes(model),
             "largest": largest, "read": read, "held": held}
 
@@ -304,14 +297,18 @@ def optimization_barriers(model) -> int:
     return hlo_text(grads).count("opt-barrier")
 
 
-def held_bytes(model) -> list[int]:
-    """Bytes of ``model``'s parameters each device holds, read from their shards (SPMD)."""
+def held_bytes(model, buffers: bool = False, sharded: bool = True) -> list[int]:
+    """Bytes of ``model``'s parameters (and ``buffers``) each device holds: read from their
+    shards under SPMD (``sharded``), else all on the one device."""
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
     held = [0] * xr.global_runtime_device_count()
-    for p in model.parameters():
-        for shard in xs.XLAShardedTensor(p).local_shards:
+    for t in [*model.parameters(), *(model.buffers() if buffers else ())]:
+        if not sharded:
+            held[0] += t.nbytes
+            continue
+        for shard in xs.XLAShardedTensor(t).local_shards:
             held[int(shard.shard_device.split(":")[-1])] += shard.data.nbytes
     return held
 
