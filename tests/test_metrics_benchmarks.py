@@ -108,8 +108,12 @@ def test_host_time_counts_tracing_not_the_devices_execution():
 
     run(64), run(1024)  # compile both
     small, big = run(64), run(1024)
-    assert big[1] - small[1] > 0.2  # the device's execution: CPU seconds on other threads
-    assert big[0] < 0.1 * big[1] and big[0] - small[0] < 0.05
+    print(f"host s, process CPU s: 64x64 {small}, 1024x1024 {big}")
+    execution = big[1] - small[1]  # the device's execution: CPU seconds on other threads
+    assert execution > 0.2
+    # the host time grows by under a tenth of it (by what the host does per byte: allocating
+    # the bigger outputs; 0.17 s against 3.4 s when this machine's memory was slow, else < 0.05 s)
+    assert big[0] < 0.1 * big[1] and big[0] - small[0] < 0.1 * execution
 
 
 def test_the_watchdog_ticks_cost_under_one_percent_of_ours_host_time():
