@@ -50,7 +50,11 @@ def run_script(folder: Path, name: str, code: str, *args: str,
     script.write_text(code)
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
-    proc = zygote.run([str(script), *args], cwd=folder, env=env, timeout=timeout)
+    try:
+        proc = zygote.run([str(script), *args], cwd=folder, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # with each process's stacks (tests/zygote.py)
+        pytest.fail(f"{name} ran over {timeout:.0f} s:\n{(exc.stdout or '')[-3000:]}\n"
+                    f"{(exc.stderr or '')[-12000:]}", pytrace=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

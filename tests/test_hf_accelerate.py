@@ -324,7 +324,7 @@ def test_trainer_on_every_chip_in_8_gloo_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("USE_TORCH_XLA", "0")  # transformers and accelerate leave torch_xla alone
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # the Trainer asks accelerate for MULTI_CPU
     code = GLOO_EVERY_CHIP.replace("# CELLS\n", every_chip_source())
-    run_script(tmp_path, "gloo_every_chip.py", code, str(tmp_path), str(port), timeout=600)
+    run_script(tmp_path, "gloo_every_chip.py", code, str(tmp_path), str(port), timeout=300)
     _report(tmp_path / "gloo.json", world=8)  # 45 rows padded to 64, 8 per rank
     assert json.loads((tmp_path / "unpadded.json").read_text()) == {"returned": 45,
                                                                     "in_order": True}

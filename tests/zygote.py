@@ -22,6 +22,7 @@ at start-up differs from the server's (``PYTHON*`` but PYTHONPATH, ``TORCH*``, `
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import select
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 _STARTUP = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "LD_", "CUDA")
@@ -71,6 +73,7 @@ def _child(req: dict, base_path: list[str]) -> None:
 
     os.setsid()
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a timed-out run shows its stacks
     for fd, new in ((0, os.open(os.devnull, os.O_RDONLY)), *(
             (fd, os.open(req[k], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
             for fd, k in ((1, "out"), (2, "err")))):
@@ -156,7 +159,9 @@ def run(argv: list[str], *, env: dict | None = None, cwd=None, timeout: float | 
             server.stdin.flush()
             pid = json.loads(server.stdout.readline())["pid"]
             ready, _, _ = select.select([server.stdout], [], [], timeout)
-            if not ready:
+            if not ready:  # every process of the run (forked ranks too) prints its stacks
+                os.killpg(pid, signal.SIGUSR2)  # to its stderr (fd 2: the err file), then ends
+                time.sleep(3)
                 os.killpg(pid, signal.SIGKILL)
             status = json.loads(server.stdout.readline())["status"]
             stdout, stderr = Path(out).read_text(errors="replace"), Path(err).read_text(
