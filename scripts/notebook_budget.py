@@ -40,9 +40,12 @@ def budget_for(path) -> float:
     """Seconds ``path`` may take: ``TPU_NB_BUDGET`` if set, else the notebook's own budget times
     the machine factor (``TPU_NB_MACHINE_FACTOR``, 1 unless a run calibrated it)."""
     override = os.environ.get("TPU_NB_BUDGET")
-    if override:
-        return float(override)
-    return float(budget_seconds(path)) * float(os.environ.get("TPU_NB_MACHINE_FACTOR") or 1)
+    return float(override) if override else float(budget_seconds(path)) * factor_in_use()
+
+
+def factor_in_use() -> float:
+    """The machine factor this run applies: ``TPU_NB_MACHINE_FACTOR``, else 1."""
+    return float(os.environ.get("TPU_NB_MACHINE_FACTOR") or 1)
 
 
 def machine_factor() -> tuple[float, float]:
@@ -58,7 +61,8 @@ def machine_factor() -> tuple[float, float]:
     subprocess.run([sys.executable, "-I", "-c", "import torch_xla"], capture_output=True,
                    env={**os.environ, "PJRT_DEVICE": "CPU"}, timeout=600, check=True)
     seconds = time.perf_counter() - start
-    return min(MAX_FACTOR, max(1.0, seconds / REFERENCE_IMPORT_S.get(line, 9.8))), seconds
+    reference = REFERENCE_IMPORT_S.get(line, REFERENCE_IMPORT_S["2.9"])
+    return min(MAX_FACTOR, max(1.0, seconds / reference)), seconds
 
 
 def pytest_configure(config) -> None:
@@ -141,8 +145,8 @@ def pytest_runtest_call(item: pytest.Item):
         check_stderr(item.path, cap.nb)
     budget = budget_for(item.path)
     if seconds > budget:
-        factor = os.environ.get("TPU_NB_MACHINE_FACTOR") or "1"
         pytest.fail(f"{item.path.name} ran {seconds:.0f} s, over its {budget:.0f} s budget "
-                    f"(metadata.tpu_notebooks.budget_seconds, times the machine factor {factor}; "
+                    "(metadata.tpu_notebooks.budget_seconds, times the machine factor "
+                    f"{factor_in_use():.2f}; "
                     "TPU_NB_BUDGET overrides)", pytrace=False)
     return result
