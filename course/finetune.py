@@ -31,7 +31,7 @@ METHODS = {"a": "(a) from_pretrained on the CPU, then .to(device)",
 HBM = {"v5e": 16 * GB, "v6e": 32 * GB}
 
 #: config.json values of real models (architecture, fields, parameters the model card states);
-#: sources: notebook 14, section 7. Counting is done by :func:`count_parameters`.
+#: sources: notebook 14, section 8. Counting is done by :func:`count_parameters`.
 HUB_MODELS = {
     "Qwen/Qwen2.5-0.5B": ("qwen2", dict(hidden_size=896, num_hidden_layers=24,
                           num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,

@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from tpu_helpers.pretrained import (  # noqa: E402
     CheckpointMismatch,
     checkpoint_files,
+    generate_greedy,
     parameter_bytes,
     stream_to_device,
 )
@@ -157,3 +158,43 @@ def test_loading_is_measured_in_fresh_processes_once_the_runtime_started():
 
     (torch.ones(2, device=torch_xla.device()) * 2).cpu()
     assert not can_fork()
+
+
+def test_greedy_generation_equals_generate_and_compiles_one_step_graph():
+    from tpu_helpers.metrics import metric_count
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval()
+    model.load_state_dict(reference.state_dict())
+    model.to(torch_xla.device())
+    g = torch.Generator().manual_seed(2)
+    prompts, lengths = torch.randint(0, 1000, (3, 12), generator=g), [12, 7, 3]
+    expected = torch.stack([reference.generate(  # each prompt alone, unpadded, on the CPU
+        prompts[i:i + 1, :n], attention_mask=torch.ones(1, n, dtype=torch.long),
+        max_new_tokens=6, do_sample=False, pad_token_id=0)[0, n:] for i, n in enumerate(lengths)])
+    torch_xla.sync()
+    before = metric_count("CompileTime")
+    got = generate_greedy(model, prompts, 6, lengths)  # rows 2 and 3 padded with other tokens
+    first = metric_count("CompileTime") - before
+    other = generate_greedy(model, torch.randint(0, 1000, (3, 12), generator=g), 6, [4, 12, 9])
+    again = metric_count("CompileTime") - before - first
+    start = metric_count("CompileTime")
+    one = prompts[:1].to(torch_xla.device())
+    model.generate(one, attention_mask=torch.ones_like(one), max_new_tokens=6, do_sample=False,
+                   pad_token_id=0)
+    by_generate = metric_count("CompileTime") - start
+    print(f"{got.tolist()} (compiles: {first}, then {again} for other prompts of the same width; "
+          f"generate on the device: {by_generate} for one prompt)")
+    assert torch.equal(got, expected) and other.shape == (3, 6)
+    assert first <= 2 and again == 0  # one step graph (and the window's upload), reused
+    assert by_generate > 6  # a longer input each token: a new graph each token
+    before += by_generate
+    for bad in ({"new_tokens": 0}, {"lengths": [0, 7, 3]}, {"lengths": [13, 7, 3]},
+                {"lengths": [12, 7]}):
+        with pytest.raises(ValueError, match="generate_greedy: need new_tokens >= 1"):
+            generate_greedy(model, prompts, **{"new_tokens": 6, "lengths": lengths, **bad})
+    assert metric_count("CompileTime") - before == first + again  # refused on the host

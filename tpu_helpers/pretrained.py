@@ -10,8 +10,9 @@ at a time, the file's own pages, handed back to the OS once sent (:func:`stream_
 Non-persistent buffers (rotary frequencies) come from the model's own ``__init__``, on the device.
 
 Also: :func:`to_mesh` (each tensor straight to its FSDPv2 shards under SPMD), what a training
-run holds per chip (:func:`training_bytes`, :func:`saved_activation_bytes`) and a LoRA adapter
-saved alone from the device (:func:`save_adapter`). Taught in notebook 14.
+run holds per chip (:func:`training_bytes`, :func:`saved_activation_bytes`), a LoRA adapter
+saved alone from the device (:func:`save_adapter`) and greedy continuations in one graph
+(:func:`generate_greedy`). Taught in notebook 14.
 
 Copy it with ``checkpoint.py`` (its atomic file writes); torch, torch_xla and the standard
 library otherwise. The safetensors format is read here directly (8 bytes of header length, a JSON
@@ -262,3 +263,35 @@ def save_adapter(model: torch.nn.Module, folder: str | Path) -> dict[str, int]:
             written[file.name] = len(data)
     return written
 
+
+
+@torch.no_grad()
+def generate_greedy(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int,
+                    lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+    """Greedy continuations, ``new_tokens`` tokens per prompt, one graph for every step: the
+    prompts ``input_ids`` [batch, width] right-padded, ``lengths`` each row's own length
+    (default: ``width``). Each step runs a causal LM (``model(input_ids=...).logits``) on the
+    whole window (prompts plus room for the new tokens), takes the argmax at each row's last
+    token and writes it after that token; the positions are device tensors, so shapes and graph
+    never change. Causal attention keeps the padding after a row's last token out of its logits.
+    No KV cache: a step recomputes the window (short outputs of small models); ``generate`` adds
+    a token per step, a new shape, so a new graph per token on XLA. Dropout: call
+    ``model.eval()`` first. Returns the new tokens [batch, new_tokens] on the host."""
+    batch, width = input_ids.shape
+    lengths = torch.full((batch,), width) if lengths is None else torch.as_tensor(lengths)
+    if new_tokens < 1 or lengths.shape != (batch,) or not 1 <= int(lengths.min()) <= int(
+            lengths.max()) <= width:
+        raise ValueError(f"generate_greedy: need new_tokens >= 1 and one length in 1..{width} per "
+                         f"row of {batch}; got new_tokens={new_tokens}, lengths={lengths.tolist()}")
+    device = next(model.parameters()).device
+    window = torch.zeros(batch, width + new_tokens, dtype=torch.long)
+    window[:, :width] = input_ids
+    window, last = window.to(device), (lengths - 1).to(device)
+    rows = torch.arange(batch, device=device)
+    for _ in range(new_tokens):
+        token = model(input_ids=window).logits[rows, last].argmax(-1)
+        last = last + 1
+        window = window.index_put((rows, last), token)
+        torch_xla.sync()  # one step's graph, the same at every step
+    window = window.cpu()
+    return torch.stack([window[i, n:n + new_tokens] for i, n in enumerate(lengths.tolist())])
