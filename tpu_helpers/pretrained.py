@@ -264,7 +264,6 @@ def save_adapter(model: torch.nn.Module, folder: str | Path) -> dict[str, int]:
     return written
 
 
-
 @torch.no_grad()
 def generate_greedy(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int,
                     lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
@@ -279,15 +278,19 @@ def generate_greedy(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens:
     ``model.eval()`` first. Returns the new tokens [batch, new_tokens] on the host."""
     batch, width = input_ids.shape
     lengths = torch.full((batch,), width) if lengths is None else torch.as_tensor(lengths)
-    if new_tokens < 1 or lengths.shape != (batch,) or not 1 <= int(lengths.min()) <= int(
-            lengths.max()) <= width:
-        raise ValueError(f"generate_greedy: need new_tokens >= 1 and one length in 1..{width} per "
-                         f"row of {batch}; got new_tokens={new_tokens}, lengths={lengths.tolist()}")
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if (batch == 0 or new_tokens < 1 or lengths.shape != (batch,) or lengths.is_floating_point()
+            or not 1 <= int(lengths.min()) <= int(lengths.max()) <= width
+            or (limit is not None and width + new_tokens > limit)):
+        raise ValueError(f"generate_greedy: need new_tokens >= 1, one integer length in "
+                         f"1..{width} per row of {batch}, and width + new_tokens <= the model's "
+                         f"max_position_embeddings ({limit}); got new_tokens={new_tokens}, "
+                         f"lengths={lengths.tolist()}")
     device = next(model.parameters()).device
     window = torch.zeros(batch, width + new_tokens, dtype=torch.long)
     window[:, :width] = input_ids
-    window, last = window.to(device), (lengths - 1).to(device)
-    rows = torch.arange(batch, device=device)
+    # uploaded, not made on the device: a lazy arange would make the first step's graph differ
+    window, last, rows = (t.to(device) for t in (window, lengths - 1, torch.arange(batch)))
     for _ in range(new_tokens):
         token = model(input_ids=window).logits[rows, last].argmax(-1)
         last = last + 1
