@@ -287,8 +287,7 @@ def generate_greedy(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens:
                          f"max_position_embeddings ({limit}); got new_tokens={new_tokens}, "
                          f"lengths={lengths.tolist()}")
     device = next(model.parameters()).device
-    window = torch.zeros(batch, width + new_tokens, dtype=torch.long)
-    window[:, :width] = input_ids
+    window = torch.nn.functional.pad(input_ids.cpu(), (0, new_tokens))  # room for the new tokens
     # uploaded, not made on the device: a lazy arange would make the first step's graph differ
     window, last, rows = (t.to(device) for t in (window, lengths - 1, torch.arange(batch)))
     for _ in range(new_tokens):
@@ -296,5 +295,4 @@ def generate_greedy(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens:
         last = last + 1
         window = window.index_put((rows, last), token)
         torch_xla.sync()  # one step's graph, the same at every step
-    window = window.cpu()
-    return torch.stack([window[i, n:n + new_tokens] for i, n in enumerate(lengths.tolist())])
+    return window.cpu().gather(1, lengths[:, None] + torch.arange(new_tokens))  # each row's own
